@@ -1,0 +1,108 @@
+"""Messages every part of streamrl shares.
+
+These records cross process boundaries (Ray pickles them), so they hold only plain Python data
+(ints, floats, strings, lists): no tensors. Every generated sample carries the policy version(s)
+that produced it; the trainer's staleness accounting reads nothing else.
+
+Lifecycle of one prompt (owner of each transition in brackets):
+
+    queued [controller] -> dispatched [SGS] -> generating [instance] -> finished [instance]
+           -> scored [reward worker] -> trained [trainer]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task item, before generation."""
+
+    prompt_id: str
+    """Stable id, unique within the dataset (e.g. ``"train-000123"``)."""
+    text: str
+    """The text the policy is conditioned on (already formatted with any template)."""
+    answer: str
+    """The reference answer the verifier compares against."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Task-specific extras (sub-task name, difficulty, ...); never read by the trainer."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One response to generate: a prompt, tokenised, and which member of its group it is."""
+
+    request_id: str
+    """``f"{prompt_id}/{sample_idx}"``: unique per iteration."""
+    prompt_id: str
+    sample_idx: int
+    """Index of this sample within its prompt's group (GRPO group of ``n`` samples)."""
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    priority: float = 0.0
+    """Larger is admitted first (the ranker's predicted length under LPT); 0 = FIFO."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one finished request."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """Log-probability of each sampled output token under the generating weights (temperature
+    applied), one per entry of ``output_ids``."""
+    finish_reason: str
+    """``"stop"`` (end-of-sequence sampled) or ``"length"`` (hit ``max_new_tokens``)."""
+    version_start: int
+    """Policy version installed when the request started generating."""
+    version_end: int
+    """Policy version installed when it finished (differs only if an update happened mid-flight)."""
+    t_start: float
+    """Wall-clock (``time.time()``) when the request was admitted by the engine."""
+    t_end: float
+    """Wall-clock when its last token was sampled."""
+    instance: str = ""
+    """Name of the generation instance that produced it."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A scored completion: the unit streamed to the trainer (or grouped, for GRPO)."""
+
+    prompt: Prompt
+    sample_idx: int
+    completion: Completion
+    response_text: str
+    reward: float
+    reward_info: dict[str, Any] = field(default_factory=dict)
+    """Why the reward is what it is (``{"error": "..."}`` for a counted zero reward)."""
+    iteration: int = 0
+    """RL iteration this sample was requested for."""
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.completion.output_ids)
+
+    @property
+    def version(self) -> int:
+        """Oldest policy version that contributed tokens to this sample."""
+        return self.completion.version_start
+
+    def with_reward(self, reward: float, info: dict[str, Any]) -> "Sample":
+        return replace(self, reward=reward, reward_info=info)
+
+
+@dataclass(frozen=True)
+class Group:
+    """All ``n`` samples of one prompt: the stream unit for GRPO (advantages need the group)."""
+
+    prompt: Prompt
+    samples: tuple[Sample, ...]
+
+    @property
+    def version(self) -> int:
+        return min(s.version for s in self.samples)
