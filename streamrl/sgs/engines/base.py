@@ -1,0 +1,113 @@
+"""The generation-engine interface every backend implements, and the factory that picks one.
+
+An engine turns ``GenRequest`` records into ``Completion`` records with real token-by-token
+generation on one model replica. It is the innermost layer of the Stream Generation Service:
+
+    caller (instance actor / test)                 engine                        caller
+    ------------------------------                 ------                        ------
+    add_request(GenRequest) ──► admission queue (priority order) ──► running batch
+                                                                          │ finishes
+    get_completions(timeout) ◄──────────── finished queue ◄───────────────┘
+    update_weights(state_dict, v): pause the running batch → copy in place → resume
+
+Contract (what callers may rely on, whatever the backend):
+
+* ``add_request`` never blocks on generation; it is callable while other requests run.
+* A request leaves the admission queue in ``GenRequest.priority`` order (larger first; ties
+  FIFO) whenever the running batch has room: this is the in-instance LPT order.
+* ``get_completions`` returns each request as soon as it finishes, not in submission order.
+  It blocks up to ``timeout`` for at least one; it returns ``[]`` on timeout, and returns
+  ``[]`` at once when nothing is pending or finished (so a caller can never hang on an idle
+  engine).
+* Every ``Completion`` carries ``version_start`` (policy version installed when the engine
+  admitted it) and ``version_end`` (installed when its last token was sampled); they differ
+  exactly when an ``update_weights`` happened while it was generating. ``logprobs`` holds the
+  log-probability of each sampled token under the distribution it was sampled from
+  (temperature and top-p applied), one per output token; the trainer uses them as the
+  old-policy log-probs.
+* Each request is returned at most once; a cancelled request is never returned.
+* Engine failures raise (``EngineError``) from ``get_completions`` with the offending request;
+  nothing is silently dropped.
+
+Backends register here by name; ``make_engine`` imports a backend only when asked for, so
+importing this module pulls in no model library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from streamrl.types import Completion, GenRequest
+
+if TYPE_CHECKING:  # torch is only needed by callers that pass weights
+    import torch
+
+# name -> "module:Class"; the module is imported lazily by make_engine.
+ENGINES: dict[str, str] = {
+    "transformers": "streamrl.sgs.engines.transformers_cb:TransformersCBEngine",
+}
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine, or the engine's generation loop died."""
+
+
+class GenerationEngine(ABC):
+    """One model replica generating many requests at once (continuous batching)."""
+
+    @abstractmethod
+    def add_request(self, req: GenRequest) -> None:
+        """Queue ``req`` for generation. Raises ``ValueError`` for a malformed request or a
+        duplicate ``request_id`` and ``EngineError`` after ``shutdown``."""
+
+    @abstractmethod
+    def get_completions(self, timeout: float | None = None, max_items: int | None = None) -> list[Completion]:
+        """Finished requests, oldest-finished first: blocks up to ``timeout`` seconds (``None`` =
+        until one finishes) for at least one, returns at most ``max_items``."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """Drop a queued or running request. True if it was pending (it will never be returned);
+        False if unknown or already finished."""
+
+    @abstractmethod
+    def update_weights(self, state_dict: dict[str, "torch.Tensor"], version: int) -> None:
+        """Install new weights in place and set ``version``. In-flight requests keep their
+        KV cache and continue with the new weights. Returns once the new weights are live."""
+
+    @abstractmethod
+    def num_pending(self) -> int:
+        """Requests added but not yet returned by ``get_completions`` (queued + running +
+        finished-but-unread)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Counters since construction, namespaced ``gen/...`` (tokens, busy seconds, ...)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop generating and release the model. Idempotent. Pending requests are dropped."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The policy version currently installed."""
+
+    def __enter__(self) -> "GenerationEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def make_engine(name: str, model: Any, **kwargs: Any) -> GenerationEngine:
+    """Build the engine registered as ``name`` around an already loaded ``model``.
+
+    ``kwargs`` go to the backend's constructor (sampling and batching settings)."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; known engines: {sorted(ENGINES)}")
+    module_name, cls_name = ENGINES[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(model, **kwargs)
