@@ -13,19 +13,23 @@ Two paths:
   compare): called in the caller's thread. Exceptions are caught; there is no timeout. Overhead
   is a try/except and a lock-protected counter bump (about a microsecond).
 - **isolated** (default, e.g. ``math_verify``, which can hang on adversarial LaTeX): the call
-  runs in a small pool of persistent worker *processes*, each fed over a ``Pipe``. The caller
+  runs in a small pool of persistent worker *processes*, each fed over a socket. The caller
   waits ``timeout_s`` with ``Connection.poll``; on expiry the worker is SIGKILLed and replaced
   lazily on the next call, so a hung reward costs at most ``timeout_s`` plus a kill.
 
 Why processes and not threads or ``signal.alarm``: a Python thread cannot be killed, so a hung
 thread leaks forever and pins a core; ``signal.alarm`` only works in the main thread of the main
 interpreter, which rules out Ray actor threads and our reward thread pools (it is also why we
-call ``math_verify`` with its own signal-based timeouts disabled). Workers use the ``spawn``
-start method, safe in processes that already run threads (Ray, torch). Costs: one pipe round
-trip per call (pickle prompt + response; ~0.1 ms on a laptop), ``spawn`` + imports once per
-worker (~0.3-1 s, also paid again after each timeout), and the reward function must be
-picklable (a module-level function or a bound method of a picklable object). Each worker runs
-one call at a time; ``num_workers`` bounds the concurrency of callers sharing one runner.
+call ``math_verify`` with its own signal-based timeouts disabled). Workers are plain
+``python -c`` subprocesses talking over an inherited socket (a ``multiprocessing`` Connection):
+no fork in a threaded host (Ray, torch), and unlike ``multiprocessing`` spawn no re-import of the
+parent's ``__main__``. Costs: one socket round trip per call (pickle prompt + response;
+~0.1 ms), one interpreter start + imports per worker (~0.3-1 s, paid again after each timeout
+or crash, outside the timed call), and the reward function must be picklable (a module-level
+function or a bound method of a picklable object). Each worker runs one call at a time;
+``num_workers`` bounds the concurrency of callers sharing one runner. Workers are killed on
+``close()``, when the runner is garbage-collected, and at interpreter exit; an orphaned worker
+exits as soon as it reads EOF from its parent.
 """
 
 from __future__ import annotations
@@ -33,11 +37,15 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import os
 import pickle
 import queue
+import subprocess
+import sys
 import threading
 import time
 import traceback
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Literal
 
@@ -52,12 +60,15 @@ class RewardError(RuntimeError):
     """A reward call failed and ``on_error="raise"``; the message names the prompt id and cause."""
 
 
-def _worker_main(conn: Connection, fn_blob: bytes, warmup: tuple[Prompt, str] | None) -> None:
+def _worker_main(fd: int) -> None:
     """Worker process loop: load ``fn``, warm it up, then answer (prompt, response) jobs."""
+    conn = Connection(fd)
     try:
+        sys_path, fn_blob, warmup = conn.recv()
+        sys.path[:] = sys_path  # so ``fn`` unpickles from the same modules as in the parent
         fn = pickle.loads(fn_blob)
     except BaseException as exc:  # report why the worker cannot start, then exit
-        conn.send(("fail", f"could not unpickle reward function: {type(exc).__name__}: {exc}"))
+        conn.send(("fail", f"could not load reward function: {type(exc).__name__}: {exc}"))
         return
     if warmup is not None:
         try:  # first calls may import heavy modules (sympy); keep that out of the timed calls
@@ -69,7 +80,7 @@ def _worker_main(conn: Connection, fn_blob: bytes, warmup: tuple[Prompt, str] | 
         try:
             job = conn.recv()
         except (EOFError, OSError):
-            return
+            return  # parent went away
         if job is None:
             return
         try:
@@ -81,21 +92,29 @@ def _worker_main(conn: Connection, fn_blob: bytes, warmup: tuple[Prompt, str] | 
 
 
 class _Worker:
-    """One reward worker process and the parent's end of its pipe."""
+    """One reward worker process and the parent's end of its socket.
 
-    def __init__(self, ctx: Any, fn_blob: bytes, warmup: tuple[Prompt, str] | None, startup_timeout_s: float):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, fn_blob, warmup), daemon=True, name="streamrl-reward")
-        self.proc.start()
+    Started with ``subprocess`` running ``python -c`` rather than ``multiprocessing``: spawn and
+    forkserver re-import the parent's ``__main__`` script in the child, which breaks under
+    ``python -`` / REPLs and re-runs unguarded driver scripts; fork is unsafe in threaded hosts.
+    """
+
+    def __init__(self, fn_blob: bytes, warmup: tuple[Prompt, str] | None, startup_timeout_s: float):
+        self.conn, child = multiprocessing.Pipe()
+        code = f"from {__name__} import _worker_main; _worker_main({child.fileno()})"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)),
+        )
         child.close()
-        if not self.conn.poll(startup_timeout_s):
-            self.kill()
-            raise RewardError(f"reward worker did not start within {startup_timeout_s:.0f}s")
         try:
-            tag, detail = self.conn.recv()
+            self.conn.send((sys.path, fn_blob, warmup))
+            ready = self.conn.poll(startup_timeout_s)
+            tag, detail = self.conn.recv() if ready else ("fail", f"did not start within {startup_timeout_s:.0f}s")
         except (EOFError, OSError):
-            self.kill()
-            raise RewardError(f"reward worker exited during startup (exit code {self.proc.exitcode})") from None
+            tag, detail = "fail", f"exited during startup (exit code {self.proc.wait(5)})"
         if tag != "ready":
             self.kill()
             raise RewardError(f"reward worker failed to start: {detail}")
@@ -107,15 +126,40 @@ class _Worker:
             if not self.conn.poll(timeout_s):
                 return "timeout", None
             return self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            self.proc.join(0.1)
-            return "died", f"reward worker died ({type(exc).__name__}, exit code {self.proc.exitcode})"
+        except (EOFError, OSError) as exc:
+            try:
+                code = self.proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            return "died", f"reward worker died ({type(exc).__name__}, exit code {code})"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.join(1.0)
+        try:
+            self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            pass
         self.conn.close()
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    """Ask each worker to exit, then make sure it has (also run at interpreter exit)."""
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    for w in workers:
+        try:
+            w.proc.wait(0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        w.kill()
+    workers.clear()
 
 
 class RewardRunner:
@@ -130,7 +174,6 @@ class RewardRunner:
         fast: bool = False,
         num_workers: int = 1,
         warmup: tuple[Prompt, str] | None = None,
-        start_method: str = "spawn",
         startup_timeout_s: float = 60.0,
     ):
         if on_error not in ("zero", "raise"):
@@ -155,7 +198,6 @@ class RewardRunner:
                 f"reward function {fn!r} is not picklable ({type(exc).__name__}: {exc}); use a module-level "
                 "function, or fast=True for a trusted in-process reward"
             ) from exc
-        self._ctx = multiprocessing.get_context(start_method)
         self._warmup = warmup
         self._startup_timeout_s = startup_timeout_s
         self._workers: list[_Worker] = []
@@ -164,6 +206,8 @@ class RewardRunner:
         for _ in range(num_workers):
             self._slots.put(None)
         self._closed = False
+        # Kill workers when the runner is garbage-collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 
     @classmethod
     def for_task(cls, task: Any, cfg: Any, **kwargs: Any) -> "RewardRunner":
@@ -213,7 +257,7 @@ class RewardRunner:
             raise RewardError("RewardRunner is closed")
         worker = self._slots.get()
         try:
-            if worker is None:
+            if worker is None or not worker.alive():
                 worker = self._start_worker()
             outcome = worker.call(prompt, response, self.timeout_s)
             if outcome[0] in ("timeout", "died"):
@@ -226,13 +270,13 @@ class RewardRunner:
             self._slots.put(worker)
 
     def _start_worker(self) -> _Worker:
-        worker = _Worker(self._ctx, self._fn_blob, self._warmup, self._startup_timeout_s)
+        worker = _Worker(self._fn_blob, self._warmup, self._startup_timeout_s)
         with self._lock:
-            self._workers = [w for w in self._workers if w.proc.is_alive()] + [worker]
+            self._workers[:] = [w for w in self._workers if w.alive()] + [worker]
         return worker
 
     def metrics(self) -> dict[str, float]:
-        """Counters since construction, namespaced ``reward/...``."""
+        """Counters since construction, namespaced ``reward/...`` (``mean_call_ms`` includes worker starts)."""
         with self._lock:
             calls = self._counts["calls"]
             out = {f"reward/{k}": float(v) for k, v in self._counts.items()}
@@ -244,15 +288,7 @@ class RewardRunner:
         if self.fast or self._closed:
             return
         self._closed = True
-        with self._lock:
-            workers, self._workers = self._workers, []
-        for w in workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-            w.proc.join(0.5)
-            w.kill()
+        self._finalizer()
 
     def __enter__(self) -> "RewardRunner":
         return self
