@@ -249,7 +249,7 @@ class RewardRunner:
         message = f"timeout after {self.timeout_s}s" if kind == "timeout" else detail
         if self.on_error == "raise":
             raise RewardError(f"reward for prompt {prompt.prompt_id!r} failed: {message}")
-        log.warning("reward for prompt %r scored 0.0: %s", prompt.prompt_id, message.splitlines()[0])
+        log.warning("reward for prompt %r scored 0.0: %s", prompt.prompt_id, (message.splitlines() or [''])[0])
         return 0.0, {"error": message}
 
     def _call_isolated(self, prompt: Prompt, response: str) -> tuple[str, Any]:
@@ -257,7 +257,12 @@ class RewardRunner:
             raise RewardError("RewardRunner is closed")
         worker = self._slots.get()
         try:
-            if worker is None or not worker.alive():
+            if worker is not None and not worker.alive():  # died while idle (e.g. killed externally)
+                worker.kill()
+                worker = None
+                with self._lock:
+                    self._counts["worker_restarts"] += 1
+            if worker is None:
                 worker = self._start_worker()
             outcome = worker.call(prompt, response, self.timeout_s)
             if outcome[0] in ("timeout", "died"):
