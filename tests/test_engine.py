@@ -187,6 +187,9 @@ def test_cancel_drops_waiting_and_running_requests(engine_factory):
     assert all(len(c.output_ids) == SHORT for c in done)
     assert e.get_completions(timeout=0.3) == [] and e.num_pending() == 0
     assert e.stats()["gen/requests_cancelled"] == 2
+    # The cancellation reached the CB loop: it is not still generating the 3000 tokens unseen.
+    scheduler = e._manager.batch_processor.scheduler
+    assert not scheduler.active_requests and not scheduler.waiting_requests
 
 
 def test_admission_follows_priority_when_more_requests_than_slots(engine_factory):
