@@ -1,0 +1,124 @@
+"""Stage-time estimators ``P_gen(x)`` and ``P_train(y)`` for Algorithm 1 (PAPER.md §3.3).
+
+``SimEstimator`` profiles with the simulator: ``P_gen(x)`` runs one simulated generation call of a
+fixed workload sample on ``x`` devices for every tensor-parallel degree that fits and divides
+``x`` (the best one wins, and is remembered as the parallel configuration); ``P_train(y)`` is the
+trainer cost model on ``y`` devices (ZeRO-3 data parallel; ``inf`` when the states do not fit).
+
+``ProfileEstimator`` reads measured numbers instead (the live system's ``streamrl profile`` file:
+a PTL table for one instance, plus ``train_tokens_per_s`` for one training device), so the same
+planner works from a real cluster's measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from streamrl.policies.latency import LatencyModel
+from streamrl.sim import cost as C
+from streamrl.sim.hardware import Gpu
+from streamrl.sim.models import ModelShape
+from streamrl.sim.systems import Deployment, SystemSpec, generate, get_system
+from streamrl.sim.workload import Batch, Workload
+
+TP_CHOICES = (1, 2, 4, 8)
+
+
+@dataclass
+class SimEstimator:
+    model: ModelShape
+    gen_gpu: Gpu
+    train_gpu: Gpu
+    workload: Workload
+    system: SystemSpec = field(default_factory=lambda: get_system("stream-sync"))
+    seed: int = 0
+    best_tp: dict[int, int] = field(default_factory=dict)
+    _cache: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        self.batch: Batch = self.workload.sample(rng)
+        self.history = self.workload.sample(np.random.default_rng(self.seed + 1)).out_lens
+
+    @property
+    def tp_choices(self) -> list[int]:
+        ok = [tp for tp in TP_CHOICES if C.RooflineDecode(self.gen_gpu, self.model, tp).fits]
+        if not ok:
+            raise ValueError(f"{self.model.name} does not fit on {max(TP_CHOICES)} x {self.gen_gpu.name}")
+        return ok
+
+    @property
+    def gen_unit(self) -> int:
+        return self.tp_choices[0]
+
+    def p_gen_tp(self, x: int, tp: int) -> float:
+        if x % tp or x < tp:
+            return math.inf
+        key = (x, tp)
+        if key not in self._cache:
+            dep = Deployment(self.model, self.gen_gpu, x, tp, self.train_gpu, 1)
+            self._cache[key] = generate(self.batch, self.system, dep, self.history, self.seed).makespan_s
+        return self._cache[key]
+
+    def p_gen(self, x: int) -> float:
+        times = {tp: self.p_gen_tp(x, tp) for tp in self.tp_choices}
+        tp = min(times, key=lambda k: (times[k], k))
+        self.best_tp[x] = tp
+        return times[tp]
+
+    def p_train(self, y: int) -> float:
+        return C.RooflineTrain(self.train_gpu, self.model, y).train_s(self.batch.seq_lens)
+
+    def gen_config(self, x: int) -> dict[str, Any]:
+        self.p_gen(x)
+        tp = self.best_tp[x]
+        return {"tp": tp, "instances": x // tp}
+
+
+@dataclass
+class ProfileEstimator:
+    """Estimators from measured profiles: one instance's PTL table and one device's train tokens/s."""
+
+    latency: LatencyModel
+    train_tokens_per_s: float
+    workload: Workload
+    instance_devices: int = 1
+    system: SystemSpec = field(default_factory=lambda: get_system("stream-sync"))
+    seed: int = 0
+    _cache: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.batch = self.workload.sample(np.random.default_rng(self.seed))
+        self.history = self.workload.sample(np.random.default_rng(self.seed + 1)).out_lens
+
+    @property
+    def gen_unit(self) -> int:
+        return self.instance_devices
+
+    def deployment(self, gen_devices: int, train_devices: int, model: ModelShape, gpu: Gpu) -> Deployment:
+        return Deployment(
+            model, gpu, gen_devices, self.instance_devices, gpu, train_devices,
+            decode_override=C.ProfiledDecode(self.latency),
+            train_override=C.ProfiledTrain(self.train_tokens_per_s, train_devices, 1),
+        )
+
+    def p_gen(self, x: int) -> float:
+        if x < self.instance_devices:
+            return math.inf
+        if x not in self._cache:
+            from streamrl.sim.models import MODELS
+            from streamrl.sim.hardware import GPUS
+
+            dep = self.deployment(x - x % self.instance_devices, 1, MODELS["qwen2.5-7b"], GPUS["H800"])
+            self._cache[x] = generate(self.batch, self.system, dep, self.history, self.seed).makespan_s
+        return self._cache[x]
+
+    def p_train(self, y: int) -> float:
+        return C.ProfiledTrain(self.train_tokens_per_s, y, 1).train_s(self.batch.seq_lens)
+
+    def gen_config(self, x: int) -> dict[str, Any]:
+        return {"tp": self.instance_devices, "instances": x // self.instance_devices}

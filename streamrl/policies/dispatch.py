@@ -1,0 +1,215 @@
+"""Dispatch policies: which generation instance gets each request (PAPER.md §3.7, Algorithm 2).
+
+Interface (one method)::
+
+    policy.assign(predicted_lengths: Sequence[float], num_instances: int) -> list[int]
+
+returns, for each request (in the given order), the index of the instance it goes to. The
+predicted lengths come from the output-length ranker (only their order needs to be right for
+``skewness-aware``; ``least-loaded`` also uses their magnitudes). Policies are pure: the same
+inputs (and seed) give the same assignment, and nothing here imports Ray, torch or an engine.
+
+- ``random``: uniform random instance per request (seeded).
+- ``round-robin``: request ``i`` to instance ``i mod N``.
+- ``least-loaded``: in arrival order, each request to the instance with the smallest predicted
+  token load so far (ties to the lowest index); equal predictions reduce it to request counts.
+- ``skewness-aware`` (Algorithm 2): sort requests by predicted length; the top ``alpha`` are
+  long-tail, the rest regular. Estimate a long-tail sample's length by the P90 and a regular
+  one's by the P50 of the recent output-length distribution (``history``; the predictions
+  themselves when none is given). For every split ``N_long + N_regular = N`` predict each pool's
+  latency with ``PTL(BS) * L * ceil(M_pool_per_instance / BS)`` and keep the best split; inside a
+  pool, requests go longest-first to the instance with the least predicted load.
+
+**Sum or max of the two pools' latencies.** The paper prints the *sum*; we minimise the *max*
+(``combine="max"``, the default). The two pools run at the same time on disjoint instances, so
+the generation stage ends when the slower pool ends: its makespan is the max. Minimising the sum
+can pick a split whose slower pool is slower than necessary just to shorten the faster pool,
+whose instances then sit idle anyway (``tests/test_policies.py`` has a hand-worked case where the
+two criteria disagree). ``combine="sum"`` is kept to reproduce the paper's formula.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel
+
+
+class DispatchPolicy(Protocol):
+    name: str
+
+    def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
+        """Instance index for each request, in request order."""
+        ...
+
+
+def _check(num_instances: int) -> None:
+    if num_instances < 1:
+        raise ValueError(f"num_instances={num_instances}: need at least one generation instance")
+
+
+class RandomDispatch:
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
+        _check(num_instances)
+        return [self.rng.randrange(num_instances) for _ in predicted_lengths]
+
+
+class RoundRobinDispatch:
+    name = "round-robin"
+
+    def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
+        _check(num_instances)
+        return [i % num_instances for i in range(len(predicted_lengths))]
+
+
+def _greedy_least_loaded(lengths: Sequence[float], order: Sequence[int], instances: Sequence[int], out: list[int]) -> None:
+    """Put each request of ``order`` on the instance of ``instances`` with least predicted load."""
+    load = {inst: 0.0 for inst in instances}
+    count = {inst: 0 for inst in instances}
+    for i in order:
+        inst = min(instances, key=lambda k: (load[k], count[k], k))
+        out[i] = inst
+        load[inst] += max(float(lengths[i]), 0.0)
+        count[inst] += 1
+
+
+class LeastLoadedDispatch:
+    name = "least-loaded"
+
+    def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
+        _check(num_instances)
+        out = [0] * len(predicted_lengths)
+        _greedy_least_loaded(predicted_lengths, range(len(predicted_lengths)), range(num_instances), out)
+        return out
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("quantile of an empty length history")
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class SkewSplit:
+    """The split Algorithm 2 chose, and the latencies it predicted."""
+
+    long_instances: int
+    long_requests: int
+    long_latency_s: float
+    regular_latency_s: float
+    cost_s: float
+
+
+def skewness_split(
+    num_requests: int,
+    num_instances: int,
+    long_len: float,
+    regular_len: float,
+    latency: LatencyModel,
+    alpha: float = 0.2,
+    max_batch_size: int | None = None,
+    combine: str = "max",
+) -> SkewSplit:
+    """Algorithm 2's search: the number of long-tail instances minimising the predicted latency."""
+    _check(num_instances)
+    if combine not in ("max", "sum"):
+        raise ValueError(f"combine={combine!r}: use 'max' (makespan) or 'sum' (paper's formula)")
+    n_long = min(num_requests, max(1, round(alpha * num_requests))) if num_requests >= 2 else 0
+    n_reg = num_requests - n_long
+    if num_instances == 1 or n_long == 0 or n_reg == 0:
+        lat = latency.pool_latency_s(math.ceil(num_requests / num_instances), max(long_len, regular_len), max_batch_size)
+        return SkewSplit(0, 0, 0.0, lat, lat)
+    best: SkewSplit | None = None
+    for k in range(1, num_instances):
+        t_long = latency.pool_latency_s(math.ceil(n_long / k), long_len, max_batch_size)
+        t_reg = latency.pool_latency_s(math.ceil(n_reg / (num_instances - k)), regular_len, max_batch_size)
+        cost = max(t_long, t_reg) if combine == "max" else t_long + t_reg
+        if best is None or cost < best.cost_s - 1e-12:
+            best = SkewSplit(k, n_long, t_long, t_reg, cost)
+    assert best is not None
+    return best
+
+
+class SkewnessAwareDispatch:
+    """Algorithm 2; see the module docstring. ``last_split`` holds the latest decision."""
+
+    name = "skewness-aware"
+
+    def __init__(
+        self,
+        latency: LatencyModel = H800_QWEN7B_VLLM,
+        alpha: float = 0.2,
+        max_batch_size: int | None = None,
+        history: Sequence[float] | None = None,
+        combine: str = "max",
+        long_quantile: float = 0.9,
+        regular_quantile: float = 0.5,
+    ) -> None:
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha={alpha}: the long-tail fraction must be in (0, 1)")
+        self.latency = latency
+        self.alpha = alpha
+        self.max_batch_size = max_batch_size
+        self.history = list(history) if history is not None else None
+        self.combine = combine
+        self.long_quantile = long_quantile
+        self.regular_quantile = regular_quantile
+        self.last_split: SkewSplit | None = None
+
+    def observe(self, output_lengths: Sequence[float]) -> None:
+        """Replace the recent output-length distribution (call once per iteration)."""
+        self.history = list(output_lengths)
+
+    def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
+        _check(num_instances)
+        n = len(predicted_lengths)
+        out = [0] * n
+        if n == 0:
+            return out
+        hist = self.history if self.history else list(predicted_lengths)
+        split = skewness_split(
+            n, num_instances, _quantile(hist, self.long_quantile), _quantile(hist, self.regular_quantile),
+            self.latency, self.alpha, self.max_batch_size, self.combine,
+        )
+        self.last_split = split
+        order = sorted(range(n), key=lambda i: -predicted_lengths[i])
+        k = split.long_instances
+        if k == 0:
+            _greedy_least_loaded(predicted_lengths, order, range(num_instances), out)
+            return out
+        _greedy_least_loaded(predicted_lengths, order[: split.long_requests], range(k), out)
+        _greedy_least_loaded(predicted_lengths, order[split.long_requests:], range(k, num_instances), out)
+        return out
+
+
+DISPATCH_POLICIES: dict[str, type] = {
+    "random": RandomDispatch,
+    "round-robin": RoundRobinDispatch,
+    "least-loaded": LeastLoadedDispatch,
+    "skewness-aware": SkewnessAwareDispatch,
+}
+
+
+def make_dispatch_policy(name: str, **kwargs) -> DispatchPolicy:
+    """The dispatch policy called ``name`` built with ``kwargs`` (e.g. ``seed``, ``latency``).
+
+    Unknown names raise ``ValueError`` listing the known ones; keyword arguments a policy does not
+    take raise ``TypeError`` from its constructor.
+    """
+    try:
+        cls = DISPATCH_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown dispatch policy {name!r}; known: {sorted(DISPATCH_POLICIES)}") from None
+    return cls(**kwargs)

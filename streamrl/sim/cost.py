@@ -1,0 +1,224 @@
+"""Cost models: decode steps of a generation instance, and training work on the trainer.
+
+Everything is a roofline (bytes over bandwidth, FLOPs over peak) times an efficiency constant.
+Each constant below says where it comes from; only PAPER.md's PTL table and scaling facts (and
+measured CPU profiles) were used to calibrate. ``tests/test_sim.py`` checks the calibration.
+
+**Decode step** of an instance (TP degree ``tp``) running ``B`` sequences whose contexts sum to
+``C`` tokens::
+
+    step = T0 + max(bytes / (tp * BW * ETA_MEM), flops / (tp * PEAK * ETA_DECODE)) + t_allreduce
+    bytes = weight_bytes + kv_bytes_per_token * C
+    flops = 2 * matmul_params * B + attention_flops(C)
+
+- ``ETA_MEM = 0.8``: achieved fraction of HBM bandwidth by decode kernels. *Assumption*, not fitted:
+  the PTL table cannot separate it from ``T0`` and the context length; 0.8 is what streaming
+  (GEMV-like) kernels typically reach on Hopper.
+- ``T0 = 2.83 ms`` and ``PTL_CONTEXT = 2465`` tokens: **fitted** (weighted least squares on
+  relative error) to PAPER.md's PTL table (7B, one H800, BS 1..512), whose context length the paper
+  does not state. The fit reproduces every point within 4%. ``T0`` is per-step engine overhead
+  (scheduling, sampling, kernel launches) and is scaled by nothing: we use it for every GPU.
+- ``ETA_DECODE = 0.6``, ``ETA_PREFILL = 0.6``: fraction of peak BF16 FLOPs reached by decode/prefill
+  GEMMs. *Assumption* (the H800 table is memory-bound throughout, so it cannot calibrate this); it
+  matters on H20 (148 TFLOPS), where large batches become compute-bound.
+- ``ALLREDUCE_LATENCY = 10 us``: two all-reduces per layer under tensor parallelism, each this
+  latency plus a ring transfer of ``B * hidden * 2`` bytes over NVLink. *Assumption* (typical NCCL
+  small-message latency inside one node).
+- KV capacity: ``KV_MEM_FRACTION = 0.9`` of HBM (vLLM's default ``gpu_memory_utilization``) minus
+  the weight shard; verl's rollout default is 0.5 (verl docs, ``ppo_trainer.yaml``).
+- verl's rollout defaults to ``enforce_eager: True`` (no CUDA graphs; verl docs): we add
+  ``EAGER_S_PER_LAYER = 40 us`` of kernel-launch time per layer per step. *Assumption*.
+
+**Training** one PPO iteration on ``T`` tokens (prompt + response) with actor, critic and reference of
+the same size: forward passes for old log-probs (actor), reference log-probs and values (critic),
+then forward+backward of actor and critic: ``9`` forward-equivalents, i.e. ``18 * P * T`` FLOPs plus
+attention (``9 * attention_flops`` of each sequence, causal), one PPO epoch. Time =
+``FLOPs / (y * PEAK * MFU(y))`` with
+
+    MFU(y) = MFU_BASE / (1 + KAPPA * states_bytes / (y * HBM))
+
+- ``MFU_BASE = 0.45``: *assumption* from public Megatron-LM reports (40-50% MFU for dense models on
+  Hopper). Absolute training speed rests on it.
+- ``KAPPA = 0.55``: **fitted** to PAPER.md §1's scaling facts (7B training time 8->16->24->32 GPUs
+  falls to 0.54/0.30/0.19; our model gives 0.45/0.29/0.22). It stands for the memory pressure of
+  fewer devices: with optimizer states taking more of each GPU, micro-batches shrink and activation
+  recomputation grows, which makes training scale super-linearly as the paper measured.
+- ``states_bytes = (16 + 16 + 2) * P``: actor and critic with mixed-precision Adam (bf16 weight and
+  grad, fp32 master, m, v), reference bf16 weights only; sharded ZeRO-3/FSDP over ``y`` devices,
+  which must hold them in ``TRAIN_MEM_FRACTION = 0.7`` of HBM (the rest for activations).
+- ``PROMPT_MEAN = 670`` tokens (in workload.py): **fitted** to §1's length scaling of training
+  time (1K->2K output multiplies training time by 1.6: ``(p + 2K) / (p + 1K) = 1.6`` gives
+  ``p ~ 0.67K``), consistent with "prompts mostly < 1K".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from streamrl.policies.latency import LatencyModel
+from streamrl.sim.hardware import Gpu
+from streamrl.sim.models import ModelShape
+
+ETA_MEM = 0.8
+T0 = 2.83e-3
+PTL_CONTEXT = 2465
+ETA_DECODE = 0.6
+ETA_PREFILL = 0.6
+ALLREDUCE_LATENCY = 10e-6
+KV_MEM_FRACTION = 0.9
+EAGER_S_PER_LAYER = 40e-6
+MFU_BASE = 0.45
+KAPPA = 0.55
+TRAIN_MEM_FRACTION = 0.7
+STATE_BYTES_PER_PARAM = 16 + 16 + 2
+TRAIN_FWD_EQUIVALENTS = 9
+CPU_OFFLOAD_BYTES_PER_S = 25e9
+"""PCIe Gen5 x16 per GPU at about half its 64 GB/s peak (assumption), for state offload/reload."""
+
+
+@dataclass(frozen=True)
+class RooflineDecode:
+    """Decode/prefill cost of one generation instance from first principles."""
+
+    gpu: Gpu
+    model: ModelShape
+    tp: int = 1
+    kv_mem_fraction: float = KV_MEM_FRACTION
+    eager: bool = False
+    max_batch: int = 256
+    """Engine batch limit (vLLM's default ``max_num_seqs`` = 256)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        free = self.tp * self.gpu.hbm_bytes * self.kv_mem_fraction - self.model.weight_bytes
+        return max(0, int(free / self.model.kv_bytes_per_token))
+
+    @property
+    def fits(self) -> bool:
+        """Weights fit with room for at least 32K tokens of KV cache."""
+        return self.kv_capacity_tokens >= 32768
+
+    def step_s(self, batch: int, context_tokens: float) -> float:
+        m, g, tp = self.model, self.gpu, self.tp
+        nbytes = m.weight_bytes + m.kv_bytes_per_token * context_tokens
+        t_mem = nbytes / (tp * g.hbm_bytes_per_s * ETA_MEM)
+        flops = 2.0 * m.matmul_params * batch + m.attention_flops_per_token(context_tokens)
+        t_cmp = flops / (tp * g.flops * ETA_DECODE)
+        t = T0 + max(t_mem, t_cmp)
+        if tp > 1:
+            ring = 2 * (tp - 1) / tp * batch * m.hidden * 2 / g.nvlink_bytes_per_s
+            t += 2 * m.layers * (ALLREDUCE_LATENCY + ring)
+        if self.eager:
+            t += m.layers * EAGER_S_PER_LAYER
+        return t
+
+    def prefill_s(self, tokens: float) -> float:
+        return 2.0 * self.model.matmul_params * tokens / (self.tp * self.gpu.flops * ETA_PREFILL)
+
+    def latency_model(self, mean_context: float, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)) -> LatencyModel:
+        """PTL(BS) of this instance at a typical context, for Algorithm 2's predictions."""
+        pts = tuple((b, 1000 * self.step_s(b, b * mean_context)) for b in batch_sizes)
+        return LatencyModel(pts, "roofline", self.model.name, f"{self.gpu.name}xTP{self.tp}")
+
+
+@dataclass(frozen=True)
+class ProfiledDecode:
+    """Decode cost read from a measured PTL profile (e.g. the live CPU engine); context-free."""
+
+    latency: LatencyModel
+    prefill_tokens_per_s: float = math.inf
+    kv_capacity_tokens: int = 1 << 40
+    max_batch: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_batch:
+            object.__setattr__(self, "max_batch", self.latency.max_batch_size)
+
+    @property
+    def fits(self) -> bool:
+        return True
+
+    def step_s(self, batch: int, context_tokens: float) -> float:
+        return self.latency.seconds_per_token(batch)
+
+    def prefill_s(self, tokens: float) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    def latency_model(self, mean_context: float) -> LatencyModel:
+        return self.latency
+
+
+@dataclass(frozen=True)
+class RooflineTrain:
+    """PPO training cost (actor, critic, reference) on ``devices`` GPUs."""
+
+    gpu: Gpu
+    model: ModelShape
+    devices: int
+    mfu_scale: float = 1.0
+    """Multiplier on MFU for a less efficient trainer (verl FSDP: see systems.py)."""
+
+    @property
+    def states_bytes(self) -> float:
+        return STATE_BYTES_PER_PARAM * self.model.params
+
+    @property
+    def fits(self) -> bool:
+        return self.states_bytes / self.devices <= TRAIN_MEM_FRACTION * self.gpu.hbm_bytes
+
+    @property
+    def mfu(self) -> float:
+        pressure = self.states_bytes / (self.devices * self.gpu.hbm_bytes)
+        return self.mfu_scale * MFU_BASE / (1 + KAPPA * pressure)
+
+    def seq_flops(self, seq_lens: Sequence[float]) -> np.ndarray:
+        """Training FLOPs of each sequence (causal attention: mean context is half its length)."""
+        m, s = self.model, np.asarray(seq_lens, float)
+        attn = m.attention_flops_per_token(1.0) * s * s / 2.0
+        return TRAIN_FWD_EQUIVALENTS * (2.0 * m.matmul_params * s + attn)
+
+    def seq_train_s(self, seq_lens: Sequence[float]) -> np.ndarray:
+        """Seconds of trainer time each sequence (prompt + response) costs; inf if it cannot fit."""
+        if not self.fits:
+            return np.full(len(seq_lens), math.inf)
+        return self.seq_flops(seq_lens) / (self.devices * self.gpu.flops * self.mfu)
+
+    def train_s(self, seq_lens: Sequence[float]) -> float:
+        return float(self.seq_train_s(seq_lens).sum())
+
+    def optimizer_step_s(self) -> float:
+        """One Adam step: read and write the sharded fp32 states (memory-bound)."""
+        return 2 * 32 * self.model.params / (self.devices * self.gpu.hbm_bytes_per_s * ETA_MEM)
+
+    def offload_s(self) -> float:
+        """Move this device's share of the training states to CPU (or back)."""
+        return self.states_bytes / self.devices / CPU_OFFLOAD_BYTES_PER_S
+
+
+@dataclass(frozen=True)
+class ProfiledTrain:
+    """Training cost from a measured throughput (tokens/s on ``profile_devices`` workers)."""
+
+    tokens_per_s: float
+    devices: int = 1
+    profile_devices: int = 1
+
+    @property
+    def fits(self) -> bool:
+        return True
+
+    def seq_train_s(self, seq_lens: Sequence[float]) -> np.ndarray:
+        return np.asarray(seq_lens, float) / (self.tokens_per_s * self.devices / self.profile_devices)
+
+    def train_s(self, seq_lens: Sequence[float]) -> float:
+        return float(self.seq_train_s(seq_lens).sum())
+
+    def optimizer_step_s(self) -> float:
+        return 0.0
+
+    def offload_s(self) -> float:
+        return 0.0

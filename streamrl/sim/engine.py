@@ -1,0 +1,190 @@
+"""The generation pool: continuous-batching instances in a discrete-event simulation.
+
+Dataflow of one ``generate(batch)`` call::
+
+    requests --dispatch policy--> per-instance queues (in the order policy's order)
+    instance: admit from its queue while batch slots and KV cache allow
+              -> decode steps (cost model) -> a request finishes -> admit the next ...
+    finished requests --> the stream (finish time per request), consumed by the trainer model
+
+Events sit on one heap of ``(time, seq, instance)`` (the simpy core, without processes). Between two
+events an instance's batch is fixed, so its ``k`` decode steps are charged in closed form:
+``k * step_s(B, C0 + B * (k - 1) / 2)`` (context grows by ``B`` tokens a step; the step cost is
+linear in context, so the midpoint is exact while one roofline term dominates). An event is the
+first of: a running request finishes, or the KV cache fills. When it fills, the most recently
+admitted request is preempted (vLLM's recompute policy: it returns to the head of the queue and
+its prompt plus generated tokens are prefilled again on re-admission).
+
+``rebalance=True`` (beyond the paper; after Seer's critique of atomic dispatch) lets an instance
+with free batch slots and an empty queue take the head of the longest other queue: queued requests
+are not started yet, so moving them costs nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class DecodeCost(Protocol):
+    max_batch: int
+
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+
+    def step_s(self, batch: int, context_tokens: float) -> float: ...
+
+    def prefill_s(self, tokens: float) -> float: ...
+
+
+@dataclass(frozen=True)
+class GenResult:
+    finish_s: np.ndarray
+    """Completion time of each request, seconds after the call started."""
+    instance: np.ndarray
+    """Instance that finished each request."""
+    busy_s: np.ndarray
+    """Per instance: time from the start to its last completion."""
+    preemptions: int
+    steals: int
+
+    @property
+    def makespan_s(self) -> float:
+        return float(self.finish_s.max()) if len(self.finish_s) else 0.0
+
+
+class _Instance:
+    def __init__(self, idx: int, cost: DecodeCost, queue: Sequence[int]) -> None:
+        self.idx, self.cost = idx, cost
+        self.cap = cost.kv_capacity_tokens
+        self.queue: deque[int] = deque(queue)
+        self.step = 0  # decode steps done
+        self.finish_step: dict[int, int] = {}  # running request -> step at which it finishes
+        self.heap: list[tuple[int, int]] = []
+        self.admitted: list[int] = []  # running, in admission order (newest last)
+        self.adm_step: dict[int, int] = {}
+        self.ctx_const = 0.0  # context sum = ctx_const + B * step
+        self.pending_preempt = False
+        self.last_t = 0.0
+
+    def context(self) -> float:
+        return self.ctx_const + len(self.finish_step) * self.step
+
+
+class _Pool:
+    def __init__(self, prompt: np.ndarray, out: np.ndarray, done0: np.ndarray) -> None:
+        self.prompt, self.out, self.gen0 = prompt, out, done0
+        self.finish = np.zeros(len(out))
+        self.where = np.full(len(out), -1)
+        self.preemptions = 0
+        self.steals = 0
+
+    def admit(self, inst: _Instance, rid: int) -> float:
+        s = inst.step
+        inst.finish_step[rid] = s + int(self.out[rid] - self.gen0[rid])
+        heapq.heappush(inst.heap, (inst.finish_step[rid], rid))
+        inst.admitted.append(rid)
+        inst.adm_step[rid] = s
+        ctx = self.prompt[rid] + self.gen0[rid]
+        inst.ctx_const += ctx - s
+        return inst.cost.prefill_s(ctx)
+
+    def remove(self, inst: _Instance, rid: int) -> None:
+        s0 = inst.adm_step.pop(rid)
+        inst.ctx_const -= self.prompt[rid] + self.gen0[rid] - s0
+        del inst.finish_step[rid]
+        inst.admitted.remove(rid)
+
+    def preempt(self, inst: _Instance) -> None:
+        rid = inst.admitted[-1]
+        done = inst.step - inst.adm_step[rid]
+        self.remove(inst, rid)
+        self.gen0[rid] += done
+        inst.queue.appendleft(rid)
+        self.preemptions += 1
+
+
+def simulate_generation(
+    prompt_lens: Sequence[float],
+    out_lens: Sequence[float],
+    assignment: Sequence[int],
+    queues_order: Sequence[Sequence[int]],
+    costs: Sequence[DecodeCost],
+    rebalance: bool = False,
+) -> GenResult:
+    """Run one generation call to completion.
+
+    ``queues_order[i]`` lists the request ids of instance ``i`` in admission order (already
+    ordered by the order policy); ``assignment`` is only used for checking. ``costs[i]`` is
+    instance ``i``'s cost model.
+    """
+    n = len(out_lens)
+    pool = _Pool(np.asarray(prompt_lens, float), np.maximum(np.asarray(out_lens, float), 1), np.zeros(n))
+    if sum(len(q) for q in queues_order) != n:
+        raise ValueError(f"queues hold {sum(len(q) for q in queues_order)} requests, batch has {n}")
+    for i, q in enumerate(queues_order):
+        for rid in q:
+            if assignment[rid] != i:
+                raise ValueError(f"request {rid} queued on instance {i} but assigned to {assignment[rid]}")
+    insts = [_Instance(i, c, q) for i, c, q in zip(range(len(costs)), costs, queues_order)]
+    events: list[tuple[float, int]] = []
+    for inst in insts:
+        _advance(pool, inst, insts, 0.0, events, rebalance)
+    while events:
+        t, i = heapq.heappop(events)
+        _advance(pool, insts[i], insts, t, events, rebalance)
+    busy = np.array([inst.last_t for inst in insts])
+    return GenResult(pool.finish, pool.where, busy, pool.preemptions, pool.steals)
+
+
+def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, events: list, rebalance: bool) -> None:
+    """Handle an instance's event at time ``t``: finish, preempt, admit, schedule the next one."""
+    while inst.heap and inst.heap[0][0] <= inst.step:
+        fs, rid = heapq.heappop(inst.heap)
+        if inst.finish_step.get(rid) != fs:
+            continue  # stale entry of a preempted request
+        pool.remove(inst, rid)
+        pool.finish[rid], pool.where[rid] = t, inst.idx
+        inst.last_t = t
+    if inst.pending_preempt and len(inst.finish_step) > 1:
+        pool.preempt(inst)
+    inst.pending_preempt = False
+    prefill = 0.0
+    while len(inst.finish_step) < inst.cost.max_batch:
+        if not inst.queue and rebalance:
+            victim = max(insts, key=lambda o: len(o.queue))
+            if victim.queue:
+                inst.queue.append(victim.queue.popleft())
+                pool.steals += 1
+        if not inst.queue:
+            break
+        rid = inst.queue[0]
+        need = pool.prompt[rid] + pool.gen0[rid]
+        if inst.finish_step and inst.context() + need > inst.cap:
+            break
+        inst.queue.popleft()
+        prefill += pool.admit(inst, rid)
+    while inst.heap and inst.finish_step.get(inst.heap[0][1]) != inst.heap[0][0]:
+        heapq.heappop(inst.heap)
+    if not inst.finish_step:
+        return
+    while True:
+        b = len(inst.finish_step)
+        c0 = inst.context()
+        k_cap = math.floor((inst.cap - c0) / b)
+        if k_cap > 0 or b == 1:
+            break
+        pool.preempt(inst)  # already full: preempt the newest now (it is not re-admitted this event)
+        while inst.heap and inst.finish_step.get(inst.heap[0][1]) != inst.heap[0][0]:
+            heapq.heappop(inst.heap)
+    k = inst.heap[0][0] - inst.step
+    if k_cap < k and b > 1:
+        k, inst.pending_preempt = k_cap, True
+    dt = prefill + k * inst.cost.step_s(b, c0 + b * (k - 1) / 2)
+    inst.step += k
+    heapq.heappush(events, (t + dt, inst.idx))

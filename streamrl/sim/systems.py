@@ -1,0 +1,220 @@
+"""RL systems on a simulated cluster: how generation, training and weight pushes interleave.
+
+Per iteration ``i`` (one RL step over the global batch)::
+
+    colocated (verl, colocated): gen(i) on all GPUs -> switch -> train(i) on all GPUs -> switch
+    disagg-batch : gen(i) -> train(i) -> push W_i -> gen(i+1)               (nothing overlaps)
+    stream-sync  : trainer consumes gen(i)'s samples as they finish, in dynamic batches of at
+                   least MIN_TOKENS_PER_GPU * train_gpus tokens -> push W_i -> gen(i+1)
+    stream-async : gen(i) needs only W_{i-1-s} (staleness s = 1 in the paper): it starts when the
+                   SGS is free and that version has arrived; pushes overlap the next training step
+
+Colocated switch costs (documented per system below): resharding the trainer's weights into the
+engine's TP layout (each GPU receives ``weight_bytes / tp`` over its NIC), and for our colocated
+system, offloading training states to CPU during generation and reloading them (``offload_s``).
+verl keeps states resident and gives vLLM ``gpu_memory_utilization = 0.5`` with
+``enforce_eager = True`` (its documented rollout defaults), and trains with FSDP at
+``VERL_MFU_SCALE`` of our trainer's MFU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from streamrl.policies.dispatch import make_dispatch_policy
+from streamrl.policies.order import make_order_policy
+from streamrl.sim import cost as C
+from streamrl.sim.engine import GenResult, simulate_generation
+from streamrl.sim.hardware import Gpu, Link, get_gpu, node_link, weight_push_s
+from streamrl.sim.models import ModelShape, get_model
+from streamrl.sim.workload import Batch, Workload
+
+MIN_TOKENS_PER_GPU = 8192
+"""A dynamic batch starts once it holds this many tokens per training GPU (assumption: one
+micro-batch of 8K tokens per device keeps it busy)."""
+VERL_MFU_SCALE = 0.85
+"""verl's FSDP trainer vs a Megatron-style 3D-parallel trainer: assumption (FSDP without tensor
+parallelism reaches somewhat lower MFU at this scale); only the verl row uses it."""
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    colocated: bool
+    pipeline: str  # "batch" | "stream" | "async"
+    dispatch: str = "skewness-aware"
+    order: str = "lpt"
+    staleness: int = 0
+    rebalance: bool = False
+    verl: bool = False
+    """verl's engine and trainer settings (eager, 0.5 KV memory, FSDP MFU, states resident)."""
+    description: str = ""
+
+
+SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
+    SystemSpec("verl", True, "batch", "round-robin", "fifo", verl=True, description="verl-like colocated"),
+    SystemSpec("colocated", True, "batch", "random", "fifo", description="our engine+trainer, time-shared"),
+    SystemSpec("colocated-skew", True, "batch", "skewness-aware", "lpt", description="colocated + skewness-aware scheduling"),
+    SystemSpec("disagg-batch", False, "batch", description="disaggregated, no overlap"),
+    SystemSpec("stream-sync", False, "stream", description="dynamic-batch pipelining"),
+    SystemSpec("stream-async", False, "async", staleness=1, description="one-step async"),
+    SystemSpec("stream-async-s2", False, "async", staleness=2, description="beyond paper: staleness 2"),
+    SystemSpec("stream-async-rebal", False, "async", staleness=1, rebalance=True, description="beyond paper: queue rebalancing"),
+)}
+
+
+def get_system(name: str) -> SystemSpec:
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        raise ValueError(f"unknown system {name!r}; known: {sorted(SYSTEMS)}") from None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where things run. Colocated systems use ``gen_*`` for both stages."""
+
+    model: ModelShape
+    gen_gpu: Gpu
+    gen_gpus: int
+    tp: int
+    train_gpu: Gpu
+    train_gpus: int
+    cross_dc: Link | None = None
+    decode_override: Any = None
+    """A cost object (e.g. ``cost.ProfiledDecode``) replacing the roofline model."""
+    train_override: Any = None
+
+    @property
+    def instances(self) -> int:
+        return self.gen_gpus // self.tp
+
+    def decode_cost(self, spec: SystemSpec) -> Any:
+        if self.decode_override is not None:
+            return self.decode_override
+        frac = 0.5 if spec.verl else C.KV_MEM_FRACTION
+        return C.RooflineDecode(self.gen_gpu, self.model, self.tp, frac, eager=spec.verl)
+
+    def train_cost(self, spec: SystemSpec, devices: int | None = None) -> Any:
+        if self.train_override is not None:
+            return replace(self.train_override, devices=devices or self.train_gpus)
+        return C.RooflineTrain(self.train_gpu, self.model, devices or self.train_gpus,
+                               VERL_MFU_SCALE if spec.verl else 1.0)
+
+
+def colocated_deployment(model: str, gpu: str, gpus: int, tp: int) -> Deployment:
+    g = get_gpu(gpu)
+    return Deployment(get_model(model), g, gpus, tp, g, gpus)
+
+
+def generate(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarray, seed: int = 0) -> GenResult:
+    """One ``generate(prompts)`` call of the SGS under ``spec``'s dispatch and order policies."""
+    cost = dep.decode_cost(spec)
+    n_inst = dep.instances
+    kwargs: dict[str, Any] = {}
+    if spec.dispatch == "skewness-aware":
+        mean_ctx = float(batch.prompt_lens.mean() + history.mean() / 2)
+        kwargs = {"latency": cost.latency_model(mean_ctx), "max_batch_size": cost.max_batch, "history": history}
+    elif spec.dispatch == "random":
+        kwargs = {"seed": seed}
+    assign = make_dispatch_policy(spec.dispatch, **kwargs).assign(batch.predicted.tolist(), n_inst)
+    order = make_order_policy(spec.order)
+    per_inst: list[list[int]] = [[] for _ in range(n_inst)]
+    for rid, inst in enumerate(assign):
+        per_inst[inst].append(rid)
+    queues = [[ids[j] for j in order.order([batch.predicted[r] for r in ids])] for ids in per_inst]
+    return simulate_generation(batch.prompt_lens, batch.out_lens, assign, queues, [cost] * n_inst, spec.rebalance)
+
+
+def stream_train(finish: np.ndarray, seq_s: np.ndarray, free_at: float, min_batch_s: float) -> float:
+    """Trainer consuming finished samples in dynamic batches; returns when the last batch ends.
+
+    A batch starts when the trainer is free and at least ``min_batch_s`` of work has arrived (or
+    every remaining sample has); it takes every sample finished by then.
+    """
+    order = np.argsort(finish, kind="stable")
+    times, work = finish[order], seq_s[order]
+    cum = np.concatenate([[0.0], np.cumsum(work)])
+    n, p, tr = len(times), 0, free_at
+    while p < n:
+        q = int(np.searchsorted(cum, cum[p] + min_batch_s, side="left"))
+        ready = max(tr, times[min(max(q, p + 1), n) - 1])
+        q2 = max(int(np.searchsorted(times, ready, side="right")), p + 1)
+        tr = ready + cum[q2] - cum[p]
+        p = q2
+    return tr
+
+
+@dataclass
+class RunResult:
+    system: str
+    iterations: list[dict[str, float]] = field(default_factory=list)
+    samples_per_iter: int = 0
+    warmup: int = 1
+
+    @property
+    def samples_per_s(self) -> float:
+        it = self.iterations
+        w = min(self.warmup, len(it) - 1)
+        t0 = it[w - 1]["train_end"] if w > 0 else 0.0
+        return self.samples_per_iter * (len(it) - w) / (it[-1]["train_end"] - t0)
+
+    def mean(self, key: str) -> float:
+        return float(np.mean([r[key] for r in self.iterations[self.warmup:] or self.iterations]))
+
+
+def switch_s(spec: SystemSpec, dep: Deployment) -> float:
+    """Per-iteration cost of switching colocated GPUs between training and generation."""
+    reshard = dep.model.weight_bytes / dep.tp / node_link(dep.gen_gpu).bandwidth
+    if spec.verl or dep.train_override is not None:
+        return reshard
+    return reshard + 2 * dep.train_cost(spec).offload_s()
+
+
+def push_s(dep: Deployment) -> float:
+    return weight_push_s(dep.model.weight_bytes, dep.gen_gpu, dep.gen_gpus, dep.tp, dep.cross_dc)
+
+
+def run_system(
+    spec: SystemSpec, dep: Deployment, workload: Workload, iterations: int = 4, seed: int = 0,
+    length_scales: list[float] | None = None, warmup: int = 1,
+) -> RunResult:
+    """Simulate ``iterations`` RL steps; the first ``warmup`` are excluded from throughput."""
+    rng = np.random.default_rng(seed)
+    history = workload.sample(np.random.default_rng(seed + 10_000)).out_lens  # a profiling run
+    res = RunResult(spec.name, samples_per_iter=workload.num_prompts, warmup=warmup)
+    ready = [0.0]  # ready[k + 1]: time W_k is installed on the SGS (W_-1, initial, at 0)
+    gen_free = train_free = 0.0
+    t_switch = switch_s(spec, dep) if spec.colocated else 0.0
+    t_push = 0.0 if spec.colocated else push_s(dep)
+    tcost = dep.train_cost(spec)
+    for i in range(iterations):
+        batch = workload.sample(rng, (length_scales or [1.0] * iterations)[i])
+        if spec.colocated or spec.pipeline != "async":
+            start = max(ready[i], train_free, gen_free)
+        else:
+            start = max(gen_free, ready[max(0, i - spec.staleness)])
+        gen = generate(batch, spec, dep, history, seed + i)
+        finish = start + gen.finish_s
+        gen_end = float(finish.max())
+        seq_s = tcost.seq_train_s(batch.seq_lens)
+        t_train = float(seq_s.sum()) + tcost.optimizer_step_s()
+        if spec.colocated:
+            train_end = gen_end + t_switch + t_train
+        elif spec.pipeline == "batch":
+            train_end = max(gen_end, train_free) + t_train
+        else:
+            min_s = float(np.median(seq_s)) * MIN_TOKENS_PER_GPU * dep.train_gpus / float(np.median(batch.seq_lens))
+            train_end = stream_train(finish, seq_s, max(train_free, start), min_s) + tcost.optimizer_step_s()
+        ready.append(train_end + t_push)
+        gen_free, train_free = gen_end, train_end
+        history = batch.out_lens
+        res.iterations.append({
+            "i": i, "gen_start": start, "gen_end": gen_end, "train_end": train_end,
+            "t_gen": gen.makespan_s, "t_train": t_train, "t_push": t_push, "t_switch": t_switch,
+            "preemptions": gen.preemptions, "mean_len": float(batch.out_lens.mean()),
+        })
+    return res
