@@ -156,8 +156,8 @@ def test_update_mid_flight_is_recorded_in_versions(model, engine_factory):
     old_ref = clone_with(model, model.state_dict())
     new_sd = perturbed(model.state_dict())
     e = engine_factory()
-    e.add_request(req("spanning", LONG))
-    assert e.get_completions(timeout=0.05) == []  # it is generating
+    e.add_request(req("spanning", 2 * LONG))
+    assert e.get_completions(timeout=0.3) == []  # it is generating (prefill is one step, ~5 ms)
     e.update_weights(new_sd, version=7)
     e.add_request(req("fresh", SHORT))
     done = {c.request_id: c for c in collect(e, 2)}
