@@ -165,7 +165,7 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
             break
         rid = inst.queue[0]
         need = pool.prompt[rid] + pool.gen0[rid]
-        if inst.finish_step and inst.context() + need > inst.cap:
+        if inst.finish_step and inst.context() + need + len(inst.finish_step) + 1 > inst.cap:  # room for a step
             break
         inst.queue.popleft()
         prefill += pool.admit(inst, rid)

@@ -110,19 +110,20 @@ def node_link(gpu: Gpu) -> Link:
     return Link(gpu.nic_gbps_per_gpu * GBPS, RDMA_LATENCY_S if rdma else TCP_LATENCY_S, f"{gpu.name} NIC")
 
 
-def broadcast_in_dc_s(shard_bytes: float, receivers: int, gpu: Gpu, trees: int = 1) -> float:
-    """Broadcast ``shard_bytes`` (what one receiving GPU needs) to ``receivers`` GPUs in one site.
+def broadcast_in_dc_s(weight_bytes: float, receivers: int, gpu: Gpu, trees: int = 1) -> float:
+    """Broadcast a full copy of the weights to ``receivers`` GPUs in one site.
 
-    Several trees rooted at different trainer ranks (PAPER.md §3.5) spread the sending load, so
-    each receiver's NIC is the bottleneck: a pipelined binary tree of depth ``log2(receivers /
-    trees)`` paced by the NIC bandwidth.
+    Each 8-GPU node needs one copy over its NICs (all of them together, ``8 x`` the per-GPU
+    bandwidth; several trees rooted at different trainer ranks keep every NIC busy), then fans it
+    out over NVLink. Nodes form a pipelined binary tree of depth ``log2(nodes + 1)``.
     """
     if receivers <= 0:
         return 0.0
-
-
-    depth = max(1, math.ceil(math.log2(max(receivers / max(trees, 1), 1) + 1)))
-    return pipelined_chain_s(shard_bytes, [node_link(gpu)] * depth)
+    nodes = math.ceil(receivers / GPUS_PER_NODE)
+    nic = node_link(gpu)
+    node_bw = Link(nic.bandwidth * min(receivers, GPUS_PER_NODE), nic.latency_s, "node NICs")
+    depth = max(1, math.ceil(math.log2(nodes + 1)))
+    return pipelined_chain_s(weight_bytes, [node_bw] * depth) + 64e6 / gpu.nvlink_bytes_per_s
 
 
 def weight_push_s(
@@ -130,11 +131,11 @@ def weight_push_s(
 ) -> float:
     """Push a new policy version from the trainer to every generation GPU.
 
-    Each generation GPU needs ``weight_bytes / tp``. In one site: several broadcast trees. Across
+    Each generation GPU needs ``weight_bytes / tp``, each node a full copy. In one site: a tree. Across
     sites: the trainer's root sends **one** full copy over ``cross_dc`` to one remote instance,
     which re-broadcasts locally; the two legs are pipelined in chunks, so the slower paces.
     """
-    local = broadcast_in_dc_s(weight_bytes / tp, gen_gpus, gen_gpu, trees=tp)
+    local = broadcast_in_dc_s(weight_bytes, gen_gpus, gen_gpu, trees=tp)
     if cross_dc is None:
         return local
     remote = pipelined_chain_s(weight_bytes, [cross_dc])

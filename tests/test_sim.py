@@ -1,0 +1,158 @@
+"""The simulator: closed-form generation cases, links, calibration against PAPER.md, pipelines."""
+
+import numpy as np
+import pytest
+
+from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel
+from streamrl.sim import cost as C
+from streamrl.sim.engine import simulate_generation
+from streamrl.sim.hardware import CROSS_DC_LINK, GBPS, Link, get_gpu, pipelined_chain_s, weight_push_s
+from streamrl.sim.models import get_model
+from streamrl.sim.systems import Deployment, get_system, run_system
+from streamrl.sim.workload import ReplayLengths, Workload, data_dir, r1_workload, top_recall
+
+FLAT = LatencyModel(((1, 10.0), (2, 10.0)))  # 10 ms per decode step at any batch size
+
+
+def flat_cost(max_batch=4, kv=1 << 40):
+    return C.ProfiledDecode(FLAT, kv_capacity_tokens=kv, max_batch=max_batch)
+
+
+def run(out_lens, queues, cost, prompt=0, rebalance=False):
+    assign = [0] * len(out_lens)
+    for i, q in enumerate(queues):
+        for r in q:
+            assign[r] = i
+    return simulate_generation([prompt] * len(out_lens), out_lens, assign, queues, [cost] * len(queues), rebalance)
+
+
+def test_one_instance_equal_lengths_finish_together():
+    res = run([100] * 4, [[0, 1, 2, 3]], flat_cost(max_batch=4))
+    assert np.allclose(res.finish_s, 1.0)  # 100 steps x 10 ms
+
+
+def test_one_instance_batch_limit_makes_waves():
+    res = run([100] * 4, [[0, 1, 2, 3]], flat_cost(max_batch=2))
+    assert sorted(res.finish_s) == pytest.approx([1.0, 1.0, 2.0, 2.0])
+
+
+def test_two_instances_lpt_order_shortens_makespan():
+    # instance 0 holds lengths 10 and 30 (batch 1), instance 1 holds 20.
+    lens = [10, 30, 20]
+    fifo = run(lens, [[0, 1], [2]], flat_cost(max_batch=1))
+    lpt = run(lens, [[1, 0], [2]], flat_cost(max_batch=1))
+    assert fifo.finish_s.tolist() == pytest.approx([0.1, 0.4, 0.2])
+    assert lpt.finish_s.tolist() == pytest.approx([0.4, 0.3, 0.2])
+    assert lpt.makespan_s == pytest.approx(fifo.makespan_s)  # same total work on instance 0
+    # LPT's benefit: with rebalancing the idle instance takes the queued short request.
+    stolen = run(lens, [[1, 0], [2]], flat_cost(max_batch=1), rebalance=True)
+    assert stolen.makespan_s == pytest.approx(0.3) and stolen.steals == 1
+
+
+def test_kv_cache_full_preempts_newest_and_recomputes():
+    # two requests (prompt 10, 100 tokens); cache 150 tokens: full after (150 - 20) / 2 = 65 steps.
+    res = run([100, 100], [[0, 1]], flat_cost(max_batch=2, kv=150), prompt=10)
+    assert res.preemptions == 1
+    assert res.finish_s[0] == pytest.approx(1.0)  # 100 steps
+    assert res.finish_s[1] == pytest.approx(1.35)  # then its remaining 35 steps
+
+
+def test_link_transfer_closed_form():
+    link = Link(1e9, 0.001)
+    assert link.transfer_s(2e9) == pytest.approx(2.001)
+    # two hops, 10 GB/s and 5 GB/s, 1 GB in 100 MB chunks: latencies + 1e9/5e9 + one chunk at 5 GB/s.
+    hops = [Link(10e9, 0.001), Link(5e9, 0.002)]
+    assert pipelined_chain_s(1e9, hops, chunk_bytes=1e8) == pytest.approx(0.003 + 0.2 + 0.02)
+
+
+def test_cross_dc_push_sends_one_copy_over_the_slow_link():
+    w = get_model("qwen2.5-7b").weight_bytes
+    t = weight_push_s(w, get_gpu("H20"), 32, 1, CROSS_DC_LINK)
+    assert t >= w / (80 * GBPS)  # at least one full copy over 80 Gbps
+    assert t < 2 * w / (80 * GBPS)  # and not two
+
+
+def test_roofline_reproduces_paper_ptl_table():
+    dec = C.RooflineDecode(get_gpu("H800"), get_model("qwen2.5-7b"), 1)
+    for bs, ms in H800_QWEN7B_VLLM.points:
+        assert dec.step_s(bs, bs * C.PTL_CONTEXT) * 1000 == pytest.approx(ms, rel=0.05)
+
+
+def test_training_scales_superlinearly_like_paper():
+    m, g = get_model("qwen2.5-7b"), get_gpu("H800")
+    seqs = [3000.0] * 64
+    t8 = C.RooflineTrain(g, m, 8).train_s(seqs)
+    ratios = [C.RooflineTrain(g, m, y).train_s(seqs) / t8 for y in (16, 24, 32)]
+    assert ratios == pytest.approx([0.54, 0.30, 0.19], abs=0.1)  # PAPER.md §1
+    assert ratios[2] < 8 / 32  # super-linear at 32
+
+
+def test_generation_scales_poorly_like_paper():
+    wl = r1_workload(20000)
+    m, g = get_model("qwen2.5-7b"), get_gpu("H800")
+    spec = get_system("colocated")
+    batch, hist = wl.sample(np.random.default_rng(0)), wl.sample(np.random.default_rng(1)).out_lens
+    from streamrl.sim.systems import generate
+
+    t = {x: generate(batch, spec, Deployment(m, g, x, 1, g, x), hist).makespan_s for x in (8, 32)}
+    assert 0.55 < t[32] / t[8] < 0.85  # PAPER.md §1: 0.69
+
+
+def test_ranker_noise_matches_table4_recall():
+    wl = r1_workload(20000)
+    b = wl.sample(np.random.default_rng(0))
+    assert top_recall(b.out_lens, b.predicted, 0.2) == pytest.approx(0.87, abs=0.05)
+
+
+def test_r1_lengths_shape():
+    out = r1_workload(20000).sample(np.random.default_rng(0)).out_lens
+    hist, edges = np.histogram(out, bins=20, range=(0, 20000))
+    assert 1000 <= edges[np.argmax(hist)] <= 3000  # mode ~2K
+    assert out.max() == 20000 and 0.01 < (out == 20000).mean() < 0.1  # long tail to the cap
+
+
+@pytest.mark.data
+def test_replay_lengths_from_real_csv():
+    path = data_dir() / "skythought_response_lengths.csv"
+    if not path.exists():
+        pytest.skip(f"{path} absent (set STREAMRL_DATA_DIR to ../shared/data)")
+    lengths = ReplayLengths.from_file(path, 20000, model_label="Sky-T1")
+    out = Workload(lengths, 256).sample(np.random.default_rng(0)).out_lens
+    assert out.max() <= 20000 and np.median(out) < out.mean()  # right-skewed
+
+
+def tiny_deployment(pipeline_tokens_per_s=2000.0):
+    prof = LatencyModel(((1, 5.0), (8, 8.0), (32, 20.0)), "transformers", "tiny", "cpu")
+    m, g = get_model("qwen2.5-7b"), get_gpu("H800")
+    return Deployment(m, g, 2, 1, g, 1, decode_override=C.ProfiledDecode(prof),
+                      train_override=C.ProfiledTrain(pipeline_tokens_per_s, 1, 1))
+
+
+def test_modes_order_on_a_profiled_tiny_setup():
+    dep = tiny_deployment()
+    wl = r1_workload(256, num_prompts=64)
+    tput = {name: run_system(get_system(name), dep, wl, iterations=5).samples_per_s
+            for name in ("disagg-batch", "stream-sync", "stream-async", "colocated")}
+    assert tput["stream-sync"] >= tput["disagg-batch"] * 0.999
+    assert tput["stream-async"] >= tput["stream-sync"] * 0.999
+
+
+def test_async_never_exceeds_staleness_bound():
+    res = run_system(get_system("stream-async"), tiny_deployment(), r1_workload(256, num_prompts=64), iterations=6)
+    it = res.iterations
+    for i in range(2, len(it)):
+        # gen(i) uses W_{i-2}: it cannot start before train(i-2) ended
+        assert it[i]["gen_start"] >= it[i - 2]["train_end"] - 1e-9
+
+
+def test_simulate_cli_writes_json(tmp_path):
+    from streamrl.cli import main
+
+    out = tmp_path / "e2e.json"
+    assert main(["simulate", "e2e", "--models", "7b", "--max-lens", "5000", "--systems", "colocated,stream-async",
+                 "--iterations", "2", "--out", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["system"] for r in rows} == {"colocated", "stream-async"}
+    assert all(r["samples_per_s"] > 0 and r["model"] == "qwen2.5-7b" and r["gpus"] == 32 for r in rows)
