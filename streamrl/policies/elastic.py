@@ -4,7 +4,9 @@ Watch ``delta = T_gen - T_train`` each iteration. Let ``delta_prime`` be the gen
 more SGS data-parallel unit (one instance) would save, ``T_gen(k) - T_gen(k + 1)``. When
 ``delta >= delta_prime``, add one instance: the gap is at least what the new instance closes, so
 adding it cannot make generation the faster side by more than it was the slower one. Instances
-are independent, so the trainer keeps running. Like the paper, we only scale up.
+are independent, so the trainer keeps running. Like the paper, we only scale up. We add one
+guard the paper leaves implicit: an instance that is predicted to save nothing (``delta_prime <= 0``,
+e.g. a tail-bound generation stage) is never added.
 
 ``ElasticRule.decide`` takes plain numbers; the caller (simulator or live controller) supplies
 ``t_gen_plus_one`` from its estimator ``P_gen``. ``smoothing`` (0 = off) applies an exponential
@@ -20,7 +22,7 @@ def should_add_instance(t_gen: float, t_train: float, t_gen_plus_one: float) -> 
     """The paper's rule: ``T_gen - T_train >= T_gen - T_gen(+1 instance)``."""
     delta = t_gen - t_train
     delta_prime = t_gen - t_gen_plus_one
-    return delta > 0 and delta >= delta_prime
+    return delta > 0 and 0 < delta_prime <= delta
 
 
 @dataclass
@@ -43,4 +45,4 @@ class ElasticRule:
         self._delta_ema = delta
         if instances >= self.max_instances:
             return 0
-        return int(delta > 0 and delta >= t_gen - t_gen_plus_one)
+        return int(delta > 0 and 0 < t_gen - t_gen_plus_one <= delta)
