@@ -32,6 +32,7 @@ class RunConfig(_Section):
     eval_every: int = Field(0, ge=0, description="evaluate on the held-out set every k iterations; 0 = only before/after")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every k iterations; 0 = only at the end")
     resume: bool = Field(False, description="resume from the latest checkpoint in out_dir")
+    eval_samples: int = Field(2, ge=1, description="samples per held-out prompt (temperature as in training)")
 
 
 class ClusterConfig(_Section):

@@ -1,0 +1,34 @@
+"""`streamrl make-policy [CONFIG] [overrides]`: build the tiny policy (no hub download)."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("make-policy", help="train a tokenizer, build a tiny Qwen2 and warm-start it by SFT")
+    p.add_argument("config", nargs="?", default=None)
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--force", action="store_true", help="rebuild even if policy.path already holds a checkpoint")
+    p.set_defaults(handler="streamrl.commands.policy:run")
+
+
+def run(args) -> int:
+    import shutil
+    from pathlib import Path
+
+    from streamrl.config import load_config
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        config, overrides = None, [config] + overrides
+    cfg = load_config(config, overrides)
+    path = Path(cfg.policy.path)
+    if (path / "config.json").is_file() and not args.force:
+        print(f"policy already at {path} (use --force to rebuild)")
+        return 0
+    if args.force and path.exists():
+        shutil.rmtree(path)
+    import torch
+
+    torch.set_num_threads(cfg.cluster.num_cpus)
+    from streamrl.controller.driver import ensure_policy
+
+    ensure_policy(cfg)
+    return 0

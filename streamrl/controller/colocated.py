@@ -1,0 +1,101 @@
+"""Colocated mode: the baseline users run today (verl-style time sharing).
+
+One Ray worker (the worker group, of size one on a laptop) holds both the generation engine and
+the trainer and alternates between them; nothing overlaps::
+
+    driver                              ColocatedWorker (Ray actor, all CPUs)
+    ------                              -------------------------------------
+    prompts -> requests ---------------> generate(requests): engine runs the whole batch
+                                          (continuous batching: a finished request frees
+                                          its slot at once; no static batch waits for its
+                                          longest member), returns completions
+    score (verifiable reward) <---------
+    samples ---------------------------> train(samples): prepare -> advantages -> optimizer
+                                          steps -> install weights W_{i+1} in the engine
+    metrics <---------------------------
+
+The driver blocks on each call: generation and training never run at the same time, which is
+exactly the cost the disaggregated modes remove.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import ray
+
+from streamrl.config import Config, config_from_dict
+from streamrl.types import Completion, GenRequest, Sample
+
+
+def engine_kwargs(cfg: Config, tokenizer, threads: int, instance: str, seed: int) -> dict:
+    g = cfg.generation
+    return dict(temperature=g.temperature, top_p=g.top_p, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, max_batch_tokens=g.max_batch_tokens,
+                max_requests_per_batch=g.max_requests_per_batch, num_blocks=g.num_blocks, page_size=g.page_size,
+                num_threads=threads, seed=seed, instance=instance)
+
+
+def run_to_completion(engine, requests: list[GenRequest]) -> list[Completion]:
+    """Add every request and collect every completion (in completion order)."""
+    for r in requests:
+        engine.add_request(r)
+    done: list[Completion] = []
+    while len(done) < len(requests):
+        done.extend(engine.get_completions(timeout=1.0))
+    return done
+
+
+@ray.remote
+class ColocatedWorker:
+    """Engine and trainer in one process, time-sharing its CPUs."""
+
+    def __init__(self, cfg_tree: dict, threads: int) -> None:
+        from streamrl.sgs.engines.base import make_engine
+        from streamrl.trainer.trainer import Trainer
+
+        cfg = config_from_dict(cfg_tree)
+        cfg.trainer.threads = threads
+        self.trainer = Trainer(cfg)
+        engine_model = copy.deepcopy(self.trainer.model).eval()
+        self.engine = make_engine(cfg.generation.engine, engine_model,
+                                  **engine_kwargs(cfg, self.trainer.tokenizer, threads, "colocated-0", cfg.run.seed))
+        self.algo = cfg.trainer.algo
+
+    def generate(self, requests: list[GenRequest]) -> tuple[list[Completion], float]:
+        t0 = time.time()
+        return run_to_completion(self.engine, requests), time.time() - t0
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        from streamrl.controller.common import group_samples
+
+        t0 = time.time()
+        tr = self.trainer
+        tr.begin_iteration()
+        groups = [tr.prepare(g) for g in group_samples(samples)]
+        if self.algo == "grpo":
+            tr.set_group_advantages(groups)
+        metrics = tr.train_iteration([p for g in groups for p in g])
+        train_s = time.time() - t0
+        t1 = time.time()
+        version = tr.finish_iteration()
+        self.engine.update_weights(tr.policy_state(), version)
+        metrics.update({"time/train_s": train_s, "time/weight_sync_s": time.time() - t1, "policy/version": version,
+                        "train/tokens_per_s": sum(s.completion.prompt_ids.__len__() + s.num_response_tokens
+                                                  for s in samples) / max(train_s, 1e-9)})
+        return metrics
+
+    def save(self, path: str, extra: dict) -> None:
+        self.trainer.save_checkpoint(path, extra)
+
+    def load(self, path: str) -> dict:
+        extra = self.trainer.load_checkpoint(path)
+        self.engine.update_weights(self.trainer.policy_state(), self.trainer.version)
+        return extra
+
+    def engine_stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

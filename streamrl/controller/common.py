@@ -1,0 +1,134 @@
+"""Pieces every controller shares: the prompt stream, request building, scoring, statistics.
+
+Nothing here starts processes; the controllers (one module per mode) wire these to the SGS and
+the Trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from streamrl.config import Config
+from streamrl.types import Completion, GenRequest, Prompt, Sample
+
+log = logging.getLogger(__name__)
+
+
+def make_task(cfg: Config):
+    """The configured task (prompt source + verifiable reward)."""
+    t = cfg.task
+    if t.name == "synthetic":
+        from streamrl.tasks.synthetic import SyntheticTask
+
+        return SyntheticTask(num_train=t.num_train, num_eval=t.num_eval, seed=cfg.run.seed)
+    from streamrl.tasks.math import MathTask
+
+    return MathTask.from_config(t, seed=cfg.run.seed)
+
+
+@dataclass
+class PromptStream:
+    """Training prompts in a seeded order, reshuffled every epoch; its position is checkpointed."""
+
+    prompts: list[Prompt]
+    seed: int
+    epoch: int = 0
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("the task has no training prompts")
+        self._order = self._shuffle(self.epoch)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 7919 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, k: int) -> list[Prompt]:
+        out = []
+        for _ in range(k):
+            if self.index >= len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            out.append(self.prompts[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._shuffle(self.epoch)
+
+
+class RequestBuilder:
+    """Tokenises prompts into ``GenRequest``s: ``n`` per prompt (a GRPO group). A prompt longer
+    than ``task.max_prompt_tokens`` is not sent; it is counted and logged (``data/oversized``)."""
+
+    def __init__(self, tokenizer, cfg: Config) -> None:
+        from streamrl.models.tiny import encode_prompt
+
+        self._encode = lambda text: encode_prompt(tokenizer, text)
+        self.n = cfg.generation.n_samples
+        self.max_new_tokens = cfg.generation.max_new_tokens
+        self.max_prompt_tokens = cfg.task.max_prompt_tokens
+        self.oversized = 0
+
+    def build(self, prompts: list[Prompt], iteration: int, tag: str = "") -> list[GenRequest]:
+        reqs = []
+        for p in prompts:
+            ids = tuple(self._encode(p.text))
+            if len(ids) > self.max_prompt_tokens:
+                self.oversized += 1
+                log.warning("prompt %s has %d tokens > task.max_prompt_tokens=%d; not generated",
+                            p.prompt_id, len(ids), self.max_prompt_tokens)
+                continue
+            for j in range(self.n):
+                reqs.append(GenRequest(request_id=f"{tag}{iteration}:{p.prompt_id}/{j}", prompt_id=p.prompt_id,
+                                       sample_idx=j, prompt_ids=ids, max_new_tokens=self.max_new_tokens))
+        return reqs
+
+
+class Scorer:
+    """Turns engine completions into scored ``Sample``s with the task's verifiable reward."""
+
+    def __init__(self, task, tokenizer, reward_runner) -> None:
+        self.tokenizer = tokenizer
+        self.reward = reward_runner
+        self.prompts: dict[str, Prompt] = {}
+        self.task = task
+
+    def register(self, prompts: list[Prompt]) -> None:
+        for p in prompts:
+            self.prompts[p.prompt_id] = p
+
+    def score(self, c: Completion, iteration: int) -> Sample:
+        prompt_id, sample_idx = c.request_id.split(":", 1)[1].rsplit("/", 1)
+        prompt = self.prompts[prompt_id]
+        text = self.tokenizer.decode(list(c.output_ids), skip_special_tokens=True)
+        reward, info = self.reward(prompt, text)
+        return Sample(prompt=prompt, sample_idx=int(sample_idx), completion=c, response_text=text,
+                      reward=float(reward), reward_info=info, iteration=iteration)
+
+
+def length_stats(lengths: list[int] | np.ndarray, prefix: str = "resp_len") -> dict[str, float]:
+    arr = np.asarray(lengths, dtype=float)
+    if arr.size == 0:
+        return {}
+    return {f"{prefix}/mean": float(arr.mean()), f"{prefix}/p50": float(np.percentile(arr, 50)),
+            f"{prefix}/p90": float(np.percentile(arr, 90)), f"{prefix}/p99": float(np.percentile(arr, 99)),
+            f"{prefix}/max": float(arr.max())}
+
+
+def group_samples(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples grouped by prompt, groups in first-seen order, members by sample index."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.prompt.prompt_id, []).append(s)
+    return [sorted(g, key=lambda s: s.sample_idx) for g in groups.values()]

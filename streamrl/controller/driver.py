@@ -1,0 +1,156 @@
+"""`streamrl train`: the RL driver. It reads like the algorithm:
+
+    start Ray; load the task; make sure the policy exists
+    evaluate the held-out set
+    for each iteration:  prompts -> pipeline.step (generate, score, train, push weights) -> log
+    evaluate again; save a checkpoint; print the summary table
+
+The mode (colocated, disagg-batch, stream-sync, stream-async) only changes ``pipeline``: one
+object per mode with ``step`` / ``generate`` / ``save`` / ``load`` / ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streamrl.config import Config, dump_config
+from streamrl.controller.common import PromptStream, RequestBuilder, Scorer, length_stats, make_task
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if ray.is_initialized():
+        return
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+
+
+def ensure_policy(cfg: Config, echo=print) -> None:
+    """Build the tiny policy (tokenizer, model, SFT warm start) if it is not on disk yet."""
+    if (Path(cfg.policy.path) / "config.json").is_file():
+        return
+    if not cfg.policy.make_if_missing:
+        raise FileNotFoundError(f"policy.path={cfg.policy.path!r} holds no checkpoint and policy.make_if_missing is false")
+    from streamrl.models.sft import make_policy
+
+    echo(f"building the tiny policy at {cfg.policy.path} (tokenizer, model, supervised warm start)")
+    res = make_policy(cfg.policy, cfg.policy.path, seed=cfg.run.seed, progress=lambda s, n, m: echo(m))
+    echo(f"policy ready: {res.steps} SFT steps in {res.seconds:.0f}s, sampled accuracy {res.sampled_accuracy:.3f}")
+
+
+def make_pipeline(cfg: Config, ctx: "RunContext"):
+    if cfg.mode == "colocated":
+        from streamrl.controller.pipelines import ColocatedPipeline
+
+        return ColocatedPipeline(cfg, ctx)
+    from streamrl.controller.pipelines import DisaggPipeline
+
+    return DisaggPipeline(cfg, ctx)
+
+
+class RunContext:
+    """What every pipeline needs from the driver: request building and scoring."""
+
+    def __init__(self, cfg: Config, task, tokenizer) -> None:
+        from streamrl.tasks.rewards import RewardRunner
+
+        self.cfg = cfg
+        self.task = task
+        self.tokenizer = tokenizer
+        self.builder = RequestBuilder(tokenizer, cfg)
+        self.reward_runner = RewardRunner.for_task(task, cfg.task)
+        self.scorer = Scorer(task, tokenizer, self.reward_runner)
+
+
+def evaluate(pipeline, ctx: RunContext, prompts, samples_per_prompt: int, tag: str) -> dict[str, float]:
+    """Held-out accuracy (mean verifiable reward at the training temperature) and lengths."""
+    ctx.scorer.register(prompts)
+    n_saved = ctx.builder.n
+    ctx.builder.n = samples_per_prompt
+    try:
+        requests = ctx.builder.build(prompts, iteration=0, tag=f"eval-{tag}-")
+    finally:
+        ctx.builder.n = n_saved
+    completions = pipeline.generate(requests)
+    samples = [ctx.scorer.score(c, 0) for c in completions]
+    lengths = [s.num_response_tokens for s in samples]
+    return {"eval/accuracy": float(np.mean([s.reward for s in samples])), "eval/samples": len(samples),
+            **length_stats(lengths, "eval/resp_len")}
+
+
+def train(cfg: Config, echo=print) -> dict[str, Any]:
+    from streamrl.metrics.logger import MetricsLogger
+    from streamrl.models.tiny import load_policy
+
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    ensure_policy(cfg, echo)
+    init_ray(cfg)
+    task = make_task(cfg)
+    _, tokenizer = load_policy(cfg.policy.path)
+    ctx = RunContext(cfg, task, tokenizer)
+    stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
+    logger = MetricsLogger(out, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, echo=echo)
+    pipeline = make_pipeline(cfg, ctx)
+    start = 0
+    ckpt = out / "checkpoint"
+    if cfg.run.resume and (ckpt / "trainer.pt").is_file():
+        extra = pipeline.load(str(ckpt))
+        stream.load_state(extra["stream"])
+        start = int(extra["iteration"]) + 1
+        echo(f"resumed from {ckpt} at iteration {start}")
+    eval_prompts = task.eval_prompts()
+    before = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "before") if start == 0 else {}
+    if before:
+        echo(f"held-out before RL: accuracy {before['eval/accuracy']:.3f} on {before['eval/samples']} samples")
+        logger.log(0, before, echo=False)
+    t_run = time.time()
+    for it in range(start, cfg.run.iterations):
+        prompts = stream.next_batch(cfg.generation.prompts_per_iter)
+        ctx.scorer.register(prompts)
+        samples, metrics = pipeline.step(it, prompts)
+        metrics.update(_sample_metrics(samples))
+        metrics.update({f"reward/{k}": v for k, v in ctx.reward_runner.metrics().items()} if hasattr(ctx.reward_runner, "metrics") else {})
+        if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
+            metrics.update(evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, f"it{it}"))
+        logger.log(it + 1, metrics)
+        if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
+            pipeline.save(str(ckpt), {"iteration": it, "stream": stream.state()})
+    rl_seconds = time.time() - t_run
+    after = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "after")
+    logger.log(cfg.run.iterations + 1, after, echo=False)
+    pipeline.save(str(ckpt), {"iteration": cfg.run.iterations - 1, "stream": stream.state()})
+    summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
+               "rewards": [h.get("reward/mean") for h in logger.history if "reward/mean" in h],
+               "oversized_prompts": ctx.builder.oversized}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    pipeline.shutdown()
+    ctx.reward_runner.close()
+    logger.close()
+    return summary
+
+
+def _sample_metrics(samples) -> dict[str, float]:
+    lengths = [s.num_response_tokens for s in samples]
+    rewards = [s.reward for s in samples]
+    m = {"reward/mean": float(np.mean(rewards)) if rewards else 0.0, "samples": len(samples),
+         "reward/errors_in_iter": sum(1 for s in samples if s.reward_info.get("error"))}
+    m.update(length_stats(lengths))
+    m["resp_len/truncated_frac"] = float(np.mean([s.completion.finish_reason == "length" for s in samples])) if samples else 0.0
+    return m

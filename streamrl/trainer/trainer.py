@@ -1,0 +1,313 @@
+"""The Trainer: GRPO and PPO updates on the policy (plus optional reference and critic).
+
+Dataflow inside one RL iteration (every mode uses the same three calls)::
+
+    samples (scored, from the SGS) --prepare()--> Prepared  (per-sample work, on arrival:
+                                                  reference log-probs, critic values, GAE)
+    groups of Prepared --------------train_step()--> one optimizer step (micro-batched by a
+                                                  token budget, gradients accumulated)
+    trainer.policy_state() --------------------------> weights for the engines (version + 1)
+
+Decisions the papers leave open, and ours:
+- *Old-policy log-probs* are the engine's sampled-token log-probs (weights W_i, temperature
+  applied). They are exactly the behaviour policy, need no extra forward pass, and stay valid in
+  stream-sync where the trainer may already have stepped before a late sample arrives. The engine
+  and the trainer compute them with the same model code (parity is tested in the engine suite).
+- *Values* (PPO) come from a snapshot of the critic taken at ``begin_iteration()``, so a sample
+  prepared on arrival gets the same old values whether it arrives before or after a mini-batch
+  step: stream-sync and batch-sync see identical inputs.
+- *KL*: GRPO puts k3 KL to the reference in the loss; PPO puts k1 KL in the per-token reward
+  (InstructGPT style). Both off when ``trainer.kl_coef == 0`` (then no reference is loaded).
+- *Advantages*: GRPO normalises within each group (population std); PPO uses GAE per sample
+  with no batch whitening, so a sample's advantage is final the moment it is prepared.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from streamrl.config import Config
+from streamrl.models.tiny import load_policy
+from streamrl.trainer import losses
+from streamrl.types import Sample
+
+
+@dataclass
+class Prepared:
+    """One sample ready to train on: tokens, masks and every per-sample tensor it needs."""
+
+    input_ids: list[int]
+    resp_start: int
+    """Index in ``input_ids`` of the first response token."""
+    old_logprobs: list[float]
+    reward: float
+    version: int
+    prompt_id: str
+    ref_logprobs: list[float] | None = None
+    old_values: list[float] | None = None
+    advantages: list[float] | None = None
+    """Per response token (PPO: GAE; GRPO: the group advantage repeated)."""
+    returns: list[float] | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.input_ids) - self.resp_start
+
+
+class ValueModel(nn.Module):
+    """Critic: the policy's transformer body with a scalar head, initialised from the policy."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.body = copy.deepcopy(policy.model)
+        self.head = nn.Linear(policy.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+def _pad(items: list[Prepared], pad_id: int):
+    """Token tensors for a micro-batch; ``mask`` marks target positions that are response tokens."""
+    width = max(p.num_tokens for p in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(items), width), dtype=torch.long)
+    mask = torch.zeros((len(items), width - 1))
+    for i, p in enumerate(items):
+        ids[i, : p.num_tokens] = torch.tensor(p.input_ids)
+        attn[i, : p.num_tokens] = 1
+        mask[i, p.resp_start - 1: p.num_tokens - 1] = 1.0
+    return ids, attn, mask
+
+
+def _per_token(items: list[Prepared], attr: str, width: int) -> torch.Tensor:
+    """Scatter each item's per-response-token list into the [B, width-1] target layout."""
+    out = torch.zeros((len(items), width - 1))
+    for i, p in enumerate(items):
+        values = getattr(p, attr)
+        out[i, p.resp_start - 1: p.resp_start - 1 + len(values)] = torch.tensor(values)
+    return out
+
+
+def micro_batches(items: list[Prepared], token_budget: int) -> list[list[Prepared]]:
+    """Split in order so each micro-batch's padded size (rows x longest) stays within the budget;
+    a single sample longer than the budget still forms its own micro-batch."""
+    out: list[list[Prepared]] = []
+    cur: list[Prepared] = []
+    longest = 0
+    for p in items:
+        new_longest = max(longest, p.num_tokens)
+        if cur and new_longest * (len(cur) + 1) > token_budget:
+            out.append(cur)
+            cur, new_longest = [], p.num_tokens
+        cur.append(p)
+        longest = new_longest
+    if cur:
+        out.append(cur)
+    return out
+
+
+class Trainer:
+    """Holds the policy, optimizer, and (when configured) reference and critic."""
+
+    def __init__(self, cfg: Config, policy_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.tcfg = cfg.trainer
+        torch.set_num_threads(self.tcfg.threads)
+        torch.manual_seed(cfg.run.seed)
+        self.model, self.tokenizer = load_policy(policy_path or cfg.policy.path)
+        self.model.train()
+        self.pad_id = self.tokenizer.pad_token_id
+        self.temperature = cfg.generation.temperature
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        self.ref = None
+        if self.tcfg.kl_coef > 0:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.critic = self.critic_old = self.critic_opt = None
+        if self.tcfg.algo == "ppo":
+            self.critic = ValueModel(self.model)
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=self.tcfg.critic_lr)
+        self.version = 0
+        self.steps = 0
+
+    # ----------------------------------------------------------------- per-sample work (on arrival)
+    def begin_iteration(self) -> None:
+        """Snapshot what per-sample work must read as 'weights W_i' (the critic's old values)."""
+        if self.critic is not None:
+            self.critic_old = copy.deepcopy(self.critic).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def prepare(self, samples: list[Sample]) -> list[Prepared]:
+        """Per-sample work: reference log-probs, old values and GAE (PPO). Pure function of the
+        samples and the iteration-start snapshots, so arrival order does not matter."""
+        items = [self._to_prepared(s) for s in samples]
+        if not items:
+            return items
+        need_forward = self.ref is not None or self.critic is not None
+        if need_forward:
+            ids, attn, mask = _pad(items, self.pad_id)
+            if self.ref is not None:
+                logits = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
+                ref_lp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+                for i, p in enumerate(items):
+                    p.ref_logprobs = ref_lp[i, p.resp_start - 1: p.num_tokens - 1].tolist()
+            if self.critic is not None:
+                if self.critic_old is None:
+                    self.begin_iteration()
+                values = self.critic_old(ids, attn)[:, :-1] * mask
+                rewards = torch.zeros_like(mask)
+                for i, p in enumerate(items):
+                    rewards[i, p.num_tokens - 2] = p.reward
+                if self.ref is not None:
+                    ref = _per_token(items, "ref_logprobs", ids.shape[1])
+                    old = _per_token(items, "old_logprobs", ids.shape[1])
+                    rewards = rewards - self.tcfg.kl_coef * losses.kl_penalty(old, ref, mask, kind="k1")
+                adv, ret = losses.gae(rewards, values, mask, gamma=self.tcfg.gamma, lam=self.tcfg.lam)
+                for i, p in enumerate(items):
+                    sl = slice(p.resp_start - 1, p.num_tokens - 1)
+                    p.old_values, p.advantages, p.returns = values[i, sl].tolist(), adv[i, sl].tolist(), ret[i, sl].tolist()
+        return items
+
+    def _to_prepared(self, s: Sample) -> Prepared:
+        c = s.completion
+        if len(c.logprobs) != len(c.output_ids):
+            raise ValueError(f"sample {c.request_id}: {len(c.logprobs)} logprobs for {len(c.output_ids)} tokens")
+        if not c.output_ids:
+            raise ValueError(f"sample {c.request_id} has an empty response")
+        return Prepared(input_ids=list(c.prompt_ids) + list(c.output_ids), resp_start=len(c.prompt_ids),
+                        old_logprobs=list(c.logprobs), reward=s.reward, version=c.version_start,
+                        prompt_id=s.prompt.prompt_id)
+
+    @staticmethod
+    def set_group_advantages(groups: list[list[Prepared]]) -> None:
+        """GRPO: each sample's advantage is its reward normalised within its group."""
+        adv = losses.grpo_advantages([[p.reward for p in g] for g in groups])
+        flat = [p for g in groups for p in g]
+        for p, a in zip(flat, adv.tolist()):
+            p.advantages = [a] * p.num_response_tokens
+
+    # ----------------------------------------------------------------------- one optimizer step
+    def train_step(self, items: list[Prepared]) -> dict[str, float]:
+        """One optimizer step on ``items`` (a PPO mini-batch), micro-batched by the token budget
+        with gradient accumulation; the loss is the token mean over the whole mini-batch."""
+        if not items:
+            raise ValueError("train_step needs at least one sample")
+        t0 = time.time()
+        total_tokens = float(sum(p.num_response_tokens for p in items))
+        self.opt.zero_grad(set_to_none=True)
+        if self.critic_opt is not None:
+            self.critic_opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for mb in micro_batches(items, self.tcfg.micro_batch_tokens):
+            for key, value in self._micro_step(mb, total_tokens).items():
+                sums[key] = sums.get(key, 0.0) + value * sum(p.num_response_tokens for p in mb) / total_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+        self.opt.step()
+        if self.critic_opt is not None:
+            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.tcfg.grad_clip)
+            self.critic_opt.step()
+        self.steps += 1
+        sums.update({"train/grad_norm": float(grad_norm), "train/step_s": time.time() - t0,
+                     "train/tokens": sum(p.num_tokens for p in items), "train/samples": len(items)})
+        return sums
+
+    def _micro_step(self, mb: list[Prepared], total_tokens: float) -> dict[str, float]:
+        ids, attn, mask = _pad(mb, self.pad_id)
+        width = ids.shape[1]
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+        old = _per_token(mb, "old_logprobs", width)
+        adv = _per_token(mb, "advantages", width)
+        loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)
+        metrics = {f"train/{k}": v for k, v in m.items()}
+        if self.ref is not None and self.tcfg.algo == "grpo":
+            ref = _per_token(mb, "ref_logprobs", width)
+            kl = losses.kl_penalty(logp, ref, mask, kind="k3")
+            kl_loss = kl.sum() / total_tokens
+            loss = loss + self.tcfg.kl_coef * kl_loss
+            metrics["train/kl"] = float(kl.sum() / mask.sum())
+        metrics["train/pg_loss"] = float(loss) * total_tokens / max(float(mask.sum()), 1.0)
+        if self.critic is not None:
+            values = self.critic(ids, attn)[:, :-1]
+            vloss, vm = losses.value_loss(values, _per_token(mb, "old_values", width), _per_token(mb, "returns", width),
+                                          mask, clip=self.tcfg.vf_clip, denominator=total_tokens)
+            loss = loss + self.tcfg.vf_coef * vloss
+            metrics.update({f"critic/{k}": v for k, v in vm.items()})
+        loss.backward()
+        return metrics
+
+    def train_iteration(self, items: list[Prepared]) -> dict[str, float]:
+        """All optimizer steps of one iteration: ``epochs`` passes of ``mini_batches`` steps each,
+        mini-batches formed in the given order. Used by the batch modes; the stream modes call
+        ``train_step`` per dynamic batch with the same partition rule."""
+        metrics: dict[str, float] = {}
+        for _ in range(self.tcfg.epochs):
+            for mb in split_even(items, self.tcfg.mini_batches):
+                metrics = self.train_step(mb)
+        return metrics
+
+    def finish_iteration(self) -> int:
+        """Close the iteration: the policy becomes version + 1."""
+        self.version += 1
+        return self.version
+
+    # ------------------------------------------------------------------------------ weights, state
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "critic_opt": self.critic_opt.state_dict() if self.critic_opt is not None else None,
+            "version": self.version, "steps": self.steps,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "extra": extra or {},
+        }
+        tmp = path / "trainer.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(path / "trainer.pt")
+        self.model.save_pretrained(path / "policy")
+        self.tokenizer.save_pretrained(path / "policy")
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        state = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_opt"])
+        self.version, self.steps = state["version"], state["steps"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        return state["extra"]
+
+
+def split_even(items: list, parts: int) -> list[list]:
+    """Split ``items`` in order into ``parts`` nearly equal consecutive chunks (none empty)."""
+    parts = max(1, min(parts, len(items)))
+    size, rem = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < rem else 0)
+        out.append(items[start:end])
+        start = end
+    return out
