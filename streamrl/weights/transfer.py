@@ -1,0 +1,212 @@
+"""Versioned weight transport: the trainer publishes a FlatWeights, generation instances fetch it.
+
+One small interface, two implementations::
+
+    trainer:   handle = transport.publish(flatten(model.state_dict(), version))
+    driver:    passes ``handle`` (a few KB: version, spec, object ref) to every instance
+    instance:  load_into(engine_model, transport.fetch(handle))
+
+- ``RayObjectStoreTransport``: ``publish`` is one ``ray.put`` of the numpy buffer; ``fetch`` is
+  ``ray.get``, zero-copy on the same node (the buffer is read-only shared memory), one
+  node-to-node copy otherwise. Handles may be fetched by any number of readers, in any order,
+  any number of times; the object lives while some handle (its ObjectRef) is alive and while its
+  owner (the process that published) lives.
+- ``GlooBroadcastTransport``: a gloo process group among the publisher (rank 0) and the
+  receivers; ``publish`` starts one asynchronous broadcast of the buffer and returns at once,
+  ``fetch`` joins it. A broadcast is a collective: every receiver must fetch every handle, in
+  publish order (checked by sequence number), and all ranks must construct the transport
+  concurrently (the constructor is a rendezvous).
+
+``send``/``receive`` wrap flatten/publish and fetch/load with timing and return one
+``TransferRecord`` per leg, so that every transfer's bytes, seconds and bandwidth are data. The
+``start`` field is wall-clock (``time.time()``) so records from different processes line up on
+one timeline (``metrics/timeline.py`` events ``weight_push`` / ``weight_load``).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from streamrl.weights.flat import FlatWeights, TensorSpec, flatten, load_into
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One timed leg of a weight transfer."""
+
+    version: int
+    """Policy version of the weights moved."""
+    bytes: int
+    """Size of the flat buffer (the same for every leg of one transfer)."""
+    seconds: float
+    bandwidth_bytes_per_s: float
+    """``bytes / seconds`` (``inf`` when the leg took no measurable time)."""
+    src: str
+    """Who sends (``"trainer"``)."""
+    dst: str
+    """Who receives (``"gen-0"``; ``"*"`` for a publish that any reader may fetch)."""
+    kind: str
+    """The leg: ``"flatten"`` (copy into the flat buffer), ``"publish"`` (hand it to the
+    transport), ``"fetch"`` (receive it), ``"load"`` (copy into the receiver's parameters)."""
+    transport: str = ""
+    """``"ray"`` or ``"gloo"`` (empty for the transport-independent legs)."""
+    start: float = 0.0
+    """Wall-clock start of the leg (``time.time()``), comparable across processes on one node."""
+
+
+def _record(version, nbytes, start_wall, t0, src, dst, kind, transport="") -> TransferRecord:
+    seconds = time.perf_counter() - t0
+    bw = nbytes / seconds if seconds > 0 else float("inf")
+    return TransferRecord(version, nbytes, seconds, bw, src, dst, kind, transport, start_wall)
+
+
+@dataclass(frozen=True)
+class WeightHandle:
+    """What travels from publisher to receivers (small): enough to fetch and rebuild the weights."""
+
+    version: int
+    nbytes: int
+    spec: tuple[TensorSpec, ...]
+    transport: str
+    """Name of the transport that made it; ``fetch`` rejects another transport's handle."""
+    payload: Any
+    """Transport-specific: a Ray ObjectRef of the buffer, or the gloo broadcast sequence number."""
+
+
+class WeightTransport(ABC):
+    """Moves FlatWeights from one publisher to many receivers."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def publish(self, fw: FlatWeights) -> WeightHandle:
+        """Make ``fw`` available to receivers; may return before they have it."""
+
+    @abstractmethod
+    def fetch(self, handle: WeightHandle) -> FlatWeights:
+        """The weights ``handle`` names (blocks until they are here)."""
+
+    def _check(self, handle: WeightHandle) -> None:
+        if handle.transport != self.name:
+            raise ValueError(f"{self.name} transport got a handle from {handle.transport!r} (version {handle.version})")
+
+
+class RayObjectStoreTransport(WeightTransport):
+    """``ray.put`` of the flat numpy buffer; stateless, so it can be passed to actors."""
+
+    name = "ray"
+
+    def publish(self, fw: FlatWeights) -> WeightHandle:
+        import ray
+
+        ref = ray.put(fw.buffer)
+        return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), self.name, ref)
+
+    def fetch(self, handle: WeightHandle) -> FlatWeights:
+        import ray
+
+        self._check(handle)
+        buf = ray.get(handle.payload)
+        if buf.nbytes != handle.nbytes:
+            raise ValueError(f"fetched {buf.nbytes} bytes for version {handle.version}, handle says {handle.nbytes}")
+        return FlatWeights(buf, list(handle.spec), handle.version)
+
+
+def free_port() -> int:
+    """An unused TCP port on this host (for the gloo rendezvous; call it on the rank-0 process)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class GlooBroadcastTransport(WeightTransport):
+    """A private gloo group (not the default torch.distributed group, so a trainer can keep its
+    own); rank 0 publishes, every other rank fetches every handle in order."""
+
+    name = "gloo"
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float = 300.0):
+        import torch.distributed as dist
+
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        self.rank, self.world_size = rank, world_size
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._seq = 0  # publisher: broadcasts started; receiver: broadcasts joined
+        self._pending: tuple[Any, FlatWeights] | None = None  # publisher's in-flight broadcast
+
+    def publish(self, fw: FlatWeights) -> WeightHandle:
+        if self.rank != 0:
+            raise RuntimeError(f"only rank 0 publishes; this is rank {self.rank}")
+        self.wait()  # one broadcast in flight at a time: receivers join them in order anyway
+        if not fw.buffer.flags.writeable:  # torch.from_numpy needs a writable array
+            fw = FlatWeights(fw.buffer.copy(), fw.spec, fw.version, fw.meta)
+        work = self._pg.broadcast(torch.from_numpy(fw.buffer), 0)
+        self._pending = (work, fw)  # keeps the buffer alive until the broadcast completes
+        handle = WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), self.name, self._seq)
+        self._seq += 1
+        return handle
+
+    def wait(self) -> None:
+        """Publisher: block until the last broadcast has reached every receiver."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def fetch(self, handle: WeightHandle) -> FlatWeights:
+        self._check(handle)
+        if self.rank == 0:
+            raise RuntimeError("rank 0 is the publisher; it does not fetch")
+        if handle.payload != self._seq:
+            raise RuntimeError(
+                f"gloo broadcasts must be fetched in order: expected #{self._seq}, got #{handle.payload} "
+                f"(version {handle.version})"
+            )
+        buf = np.empty(handle.nbytes, dtype=np.uint8)
+        self._pg.broadcast(torch.from_numpy(buf), 0).wait()
+        self._seq += 1
+        return FlatWeights(buf, list(handle.spec), handle.version)
+
+    def close(self) -> None:
+        self.wait()
+        self._pg = None
+
+
+def send(
+    transport: WeightTransport, state_dict: Mapping[str, torch.Tensor], version: int, src: str = "trainer"
+) -> tuple[WeightHandle, list[TransferRecord]]:
+    """flatten + publish, timed: returns the handle and the ``flatten`` and ``publish`` records."""
+    w0, t0 = time.time(), time.perf_counter()
+    fw = flatten(state_dict, version, {"src": src})
+    rec_flat = _record(version, fw.nbytes, w0, t0, src, src, "flatten")
+    w1, t1 = time.time(), time.perf_counter()
+    handle = transport.publish(fw)
+    rec_pub = _record(version, fw.nbytes, w1, t1, src, "*", "publish", transport.name)
+    return handle, [rec_flat, rec_pub]
+
+
+def receive(
+    transport: WeightTransport,
+    handle: WeightHandle,
+    target: torch.nn.Module | Mapping[str, torch.Tensor],
+    dst: str,
+    src: str = "trainer",
+) -> list[TransferRecord]:
+    """fetch + load_into ``target`` in place, timed: returns the ``fetch`` and ``load`` records."""
+    w0, t0 = time.time(), time.perf_counter()
+    fw = transport.fetch(handle)
+    rec_fetch = _record(handle.version, handle.nbytes, w0, t0, src, dst, "fetch", transport.name)
+    w1, t1 = time.time(), time.perf_counter()
+    load_into(target, fw)
+    rec_load = _record(handle.version, handle.nbytes, w1, t1, src, dst, "load")
+    return [rec_fetch, rec_load]
