@@ -1,0 +1,254 @@
+"""Timeline of stage events: who did what, for which iteration and policy version, when.
+
+Dataflow::
+
+    each component (trainer actor, generation instance, driver)
+        records Events into its own Timeline (``tl.add(...)`` or ``with tl.span(...)``)
+    the driver collects them (actors return ``tl.events()``; ``driver_tl.extend(events)``)
+    at the end of a run: ``tl.to_json(path)``, ``gantt(tl, png)``, ``tl.summary()`` -> metrics
+
+Clock: ``time.time()`` (wall clock), so events from different processes on one node line up;
+across nodes they are as good as the nodes' clock sync. ``Timeline.t0`` (the earliest start)
+is the run's origin in pictures and summaries.
+
+Standard ``what`` kinds (open set; these have fixed colours in the Gantt picture):
+``generate`` (an instance decoding), ``train`` (an optimizer step or a mini-batch),
+``prepare`` (per-sample work: old/ref log-probs, values, rewards), ``weight_push`` (flatten +
+publish on the trainer), ``weight_load`` (fetch + load on an instance), ``eval``, ``idle``
+(an explicit wait; busy fractions ignore it). Gaps with no event are idle too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+STANDARD_KINDS = ("generate", "train", "prepare", "weight_push", "weight_load", "eval", "idle")
+NOT_BUSY = frozenset({"idle"})
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stage interval of one worker."""
+
+    who: str
+    """The row it belongs to: ``"trainer"``, ``"gen-0"``, ``"driver"``."""
+    what: str
+    """The kind of work; see ``STANDARD_KINDS``."""
+    iteration: int
+    """RL iteration the work belongs to (-1 when none, e.g. a warm-up)."""
+    version: int
+    """Policy version in use (generating with, training from, or pushing)."""
+    start: float
+    """Wall-clock seconds (``time.time()``)."""
+    end: float
+    meta: dict[str, Any] = field(default_factory=dict)
+    """JSON-able extras: ``{"samples": 8, "tokens": 912, "bytes": 4e6}``."""
+
+    def __post_init__(self) -> None:
+        if not self.end >= self.start:
+            raise ValueError(f"event {self.who}/{self.what} ends before it starts: start={self.start} end={self.end}")
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class Timeline:
+    """A thread-safe list of events; merge others' lists with ``extend``."""
+
+    def __init__(self, events: Iterable[Event] = ()) -> None:
+        self._lock = threading.Lock()
+        self._events: list[Event] = list(events)
+
+    def add(self, who: str, what: str, iteration: int, version: int, start: float, end: float, **meta) -> Event:
+        ev = Event(who, what, iteration, version, start, end, meta)
+        with self._lock:
+            self._events.append(ev)
+        return ev
+
+    @contextmanager
+    def span(self, who: str, what: str, iteration: int, version: int, **meta) -> Iterator[dict]:
+        """Time the body; keys the body puts into the yielded dict land in the event's meta."""
+        extra: dict[str, Any] = dict(meta)
+        start = time.time()
+        try:
+            yield extra
+        finally:
+            self.add(who, what, iteration, version, start, time.time(), **extra)
+
+    def extend(self, events: Iterable[Event]) -> None:
+        events = list(events)
+        bad = [e for e in events if not isinstance(e, Event)]
+        if bad:
+            raise TypeError(f"Timeline.extend got {len(bad)} non-Event items, first: {bad[0]!r}")
+        with self._lock:
+            self._events.extend(events)
+
+    def events(self) -> list[Event]:
+        """A copy, sorted by start time."""
+        with self._lock:
+            return sorted(self._events, key=lambda e: (e.start, e.end))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    @property
+    def t0(self) -> float:
+        evs = self.events()
+        return min(e.start for e in evs) if evs else 0.0
+
+    @property
+    def t1(self) -> float:
+        evs = self.events()
+        return max(e.end for e in evs) if evs else 0.0
+
+    def rows(self) -> list[str]:
+        """Every ``who``: the trainer first, then the rest in natural order (gen-2 before gen-10)."""
+        return sort_rows({e.who for e in self.events()})
+
+    def to_json(self, path: str | Path) -> None:
+        data = {"t0": self.t0, "events": [asdict(e) for e in self.events()]}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Timeline":
+        data = json.loads(Path(path).read_text())
+        return cls(Event(**d) for d in data["events"])
+
+    def summary(self, t0: float | None = None, t1: float | None = None) -> dict[str, float]:
+        """``busy/<who>`` (any non-idle work) and ``busy/<who>/<what>`` fractions of [t0, t1]
+        (default: the whole timeline), plus ``timeline/wall_s``."""
+        evs = self.events()
+        t0 = self.t0 if t0 is None else t0
+        t1 = self.t1 if t1 is None else t1
+        out: dict[str, float] = {"timeline/wall_s": t1 - t0}
+        for who in self.rows():
+            kinds = sorted({e.what for e in evs if e.who == who})
+            out[f"busy/{who}"] = busy_fraction(evs, who, [k for k in kinds if k not in NOT_BUSY], t0, t1)
+            for k in kinds:
+                out[f"busy/{who}/{k}"] = busy_fraction(evs, who, [k], t0, t1)
+        return out
+
+
+def sort_rows(names: Iterable[str]) -> list[str]:
+    def key(name: str):
+        parts = re.split(r"(\d+)", name)
+        return (0 if name.startswith("trainer") else 1, [int(p) if p.isdigit() else p for p in parts])
+
+    return sorted(names, key=key)
+
+
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Union of intervals as sorted, disjoint ``(start, end)`` pairs (touching ones are joined)."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def busy_fraction(
+    events: Iterable[Event], who: str, kinds: Iterable[str] | None, t0: float, t1: float
+) -> float:
+    """Fraction of [t0, t1] covered by ``who``'s events of ``kinds`` (None: all but idle),
+    overlapping events counted once."""
+    if not t1 > t0:
+        raise ValueError(f"busy_fraction needs t1 > t0, got t0={t0} t1={t1}")
+    kinds = None if kinds is None else set(kinds)
+    clipped = [
+        (max(e.start, t0), min(e.end, t1))
+        for e in events
+        if e.who == who and (e.what in kinds if kinds is not None else e.what not in NOT_BUSY)
+    ]
+    covered = sum(e - s for s, e in merge_intervals((s, e) for s, e in clipped if e > s))
+    return covered / (t1 - t0)
+
+
+# ---------------------------------------------------------------- Gantt picture
+
+COLOURS = {
+    "generate": "#4C72B0",
+    "train": "#DD8452",
+    "prepare": "#E6C229",
+    "weight_push": "#8E44AD",
+    "weight_load": "#C39BD3",
+    "eval": "#55A868",
+    "idle": "#E0E0E0",
+}
+_SPARE = ["#C44E52", "#64B5CD", "#8C8C8C", "#937860", "#DA8BC3", "#CCB974"]
+THIN = frozenset({"prepare", "weight_push", "weight_load"})
+"""Drawn in the lower part of the row, over the full-height bars, so overlap stays visible."""
+
+
+def gantt(timeline: Timeline, path_png: str | Path, title: str = "", rows: list[str] | None = None) -> list[str]:
+    """Write a Gantt PNG (one row per ``who``, bars coloured by ``what``, dashed lines where
+    iterations' generation starts, x in seconds from the first event); returns the row order,
+    top to bottom.
+    Row labels carry each row's busy fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    evs = timeline.events()
+    if not evs:
+        raise ValueError(f"gantt({path_png}): the timeline has no events")
+    rows = list(rows) if rows is not None else timeline.rows()
+    unknown_rows = sorted({e.who for e in evs} - set(rows))
+    if unknown_rows:
+        raise ValueError(f"gantt: events for rows {unknown_rows} not in rows={rows}")
+    t0, t1 = timeline.t0, timeline.t1
+    kinds = [k for k in STANDARD_KINDS if any(e.what == k for e in evs)]
+    kinds += sorted({e.what for e in evs} - set(STANDARD_KINDS))
+    spare = iter(_SPARE * 10)
+    colour = {k: COLOURS.get(k) or next(spare) for k in kinds}
+
+    fig, ax = plt.subplots(figsize=(12, max(2.5, 1.2 + 0.55 * len(rows))))
+    for y, who in enumerate(rows):
+        mine = [e for e in evs if e.who == who]
+        ordered = sorted({e.what for e in mine}, key=lambda k: (k != "idle", k in THIN))
+        for k in ordered:
+            spans = merge_intervals((e.start - t0, e.end - t0) for e in mine if e.what == k)
+            bars = [(s, max(e - s, 1e-9)) for s, e in spans]
+            ybox = (y + 0.05, 0.3) if k in THIN else (y - 0.38, 0.76)
+            ax.broken_barh(bars, ybox, facecolors=colour[k], edgecolor="none", zorder=3 if k in THIN else 2)
+
+    # An iteration starts when its generation starts (in async modes the trainer's work for
+    # iteration i runs during generation of i+1); iterations without generation use any event.
+    starts: dict[int, float] = {}
+    for e in sorted(evs, key=lambda e: e.what != "generate"):
+        if e.iteration >= 0 and (e.what == "generate" or e.iteration not in starts):
+            starts[e.iteration] = min(starts.get(e.iteration, e.start), e.start)
+    every = max(1, len(starts) // 20)
+    for i, (it, s) in enumerate(sorted(starts.items())):
+        ax.axvline(s - t0, color="#555555", lw=0.6, ls="--", zorder=1)
+        if i % every == 0:
+            ax.text(s - t0, -0.55, f" it {it}", fontsize=8, color="#333333", ha="left", va="bottom")
+
+    busy = timeline.summary(t0, t1) if t1 > t0 else {}
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{w}  {100 * busy.get(f'busy/{w}', 0.0):.0f}%" for w in rows])
+    ax.set_ylim(len(rows) - 0.4, -0.7)
+    ax.set_xlim(0, max(t1 - t0, 1e-6) * 1.01)
+    ax.set_xlabel("seconds from run start (row label: busy % of wall time; gaps are idle)")
+    ax.grid(axis="x", color="#EEEEEE", zorder=0)
+    ax.set_title(title or "timeline")
+    ax.legend(handles=[Patch(color=colour[k], label=k) for k in kinds], loc="upper center",
+              bbox_to_anchor=(0.5, -0.18 - 0.2 / max(1, len(rows))), ncol=len(kinds), fontsize=8, frameon=False)
+    fig.tight_layout()
+    Path(path_png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path_png, dpi=110)
+    plt.close(fig)
+    return rows
