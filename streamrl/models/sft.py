@@ -31,14 +31,34 @@ class SFTResult:
     loss: float
 
 
-def _batch(tokenizer, rng: random.Random, size: int, spec: SyntheticSpec):
-    seqs, starts = [], []
-    for _ in range(size):
-        prompt, solution, _ = make_problem(rng, spec)
+def _encode_problems(tokenizer, problems) -> list[tuple[list[int], int]]:
+    out = []
+    for prompt, solution, _ in problems:
         p = encode_prompt(tokenizer, prompt)
-        r = tokenizer.encode(solution, add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(p + r)
-        starts.append(len(p))
+        out.append((p + tokenizer.encode(solution, add_special_tokens=False) + [tokenizer.eos_token_id], len(p)))
+    return out
+
+
+def _bucketed_batches(tokenizer, rng: random.Random, size: int, spec: SyntheticSpec, buckets: int = 8):
+    """Endless batches of similar-length sequences: draw ``buckets * size`` problems, sort by
+    length, cut into ``buckets`` batches, shuffle them. Cuts padding (lengths are long-tailed)."""
+    while True:
+        encoded = sorted(_encode_problems(tokenizer, [make_problem(rng, spec) for _ in range(size * buckets)]),
+                         key=lambda e: len(e[0]))
+        chunks = [encoded[i: i + size] for i in range(0, len(encoded), size)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield _collate(tokenizer, chunk)
+
+
+def _batch(tokenizer, rng: random.Random, size: int, spec: SyntheticSpec):
+    return _collate(tokenizer, _encode_problems(tokenizer, [make_problem(rng, spec) for _ in range(size)]))
+
+
+def _collate(tokenizer, encoded: list[tuple[list[int], int]]):
+    seqs = [e[0] for e in encoded]
+    starts = [e[1] for e in encoded]
+    size = len(seqs)
     width = max(map(len, seqs))
     ids = torch.full((size, width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((size, width), -100, dtype=torch.long)
@@ -88,11 +108,12 @@ def make_policy(cfg: PolicyConfig, out_dir: str, seed: int = 0, spec: SyntheticS
     warmup = 50
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     probe_rng = random.Random(seed + 99)
-    probe = [make_problem(probe_rng, spec) for _ in range(probe_size)]
+    probe = [make_problem(probe_rng, spec) for _ in range(probe_size)]  # probe_size=0: no probe
     t0, tokens, acc, loss_val, step = time.time(), 0, 0.0, float("nan"), 0
     model.train()
+    batches = _bucketed_batches(tokenizer, rng, cfg.sft_batch_size, spec)
     for step in range(1, cfg.sft_steps + 1):
-        ids, labels, mask = _batch(tokenizer, rng, cfg.sft_batch_size, spec)
+        ids, labels, mask = next(batches)
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -100,8 +121,8 @@ def make_policy(cfg: PolicyConfig, out_dir: str, seed: int = 0, spec: SyntheticS
         opt.step()
         sched.step()
         tokens += int(mask.sum())
-        loss_val = float(out.loss)
-        if step % probe_every == 0 or step == cfg.sft_steps:
+        loss_val = float(out.loss.detach())
+        if probe and (step % probe_every == 0 or step == cfg.sft_steps):
             acc = sampled_accuracy(model, tokenizer, probe)
             msg = f"sft step {step} loss {loss_val:.4f} sampled_acc {acc:.3f} ({time.time() - t0:.0f}s)"
             log.info(msg)

@@ -241,7 +241,7 @@ class Trainer:
             kl_loss = kl.sum() / total_tokens
             loss = loss + self.tcfg.kl_coef * kl_loss
             metrics["train/kl"] = float(kl.sum() / mask.sum())
-        metrics["train/pg_loss"] = float(loss) * total_tokens / max(float(mask.sum()), 1.0)
+        metrics["train/pg_loss"] = float(loss.detach()) * total_tokens / max(float(mask.sum()), 1.0)
         if self.critic is not None:
             values = self.critic(ids, attn)[:, :-1]
             vloss, vm = losses.value_loss(values, _per_token(mb, "old_values", width), _per_token(mb, "returns", width),

@@ -1,0 +1,39 @@
+"""Shared fixtures: one Ray instance per session, one tiny policy checkpoint per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """A tiny policy (tokenizer + Qwen2) briefly trained on the synthetic task: enough to emit
+    end-of-sequence and well-formed chains, far from good. Built once per session."""
+    import torch
+
+    from streamrl.config import PolicyConfig
+    from streamrl.models.sft import make_policy
+
+    torch.set_num_threads(2)
+    path = tmp_path_factory.mktemp("policy") / "tiny"
+    cfg = PolicyConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                       sft_steps=60, sft_batch_size=16, sft_lr=3e-3)
+    make_policy(cfg, str(path), seed=0, probe_size=0)
+    return str(path)
