@@ -1,0 +1,102 @@
+"""The output-length ranker interface (PAPER.md §3.6) and the factory that picks one by name.
+
+A ranker maps prompts to estimated output lengths; only the order of the estimates matters
+(dispatch puts the top α into the long-tail pool and admits longest-predicted first, §3.7).
+
+Lifecycle during RL::
+
+    ranker = make_ranker(cfg.ranker.name, **cfg.ranker.kwargs)
+    ranker.fit(texts, lengths, keys)        # before training: (prompt, length) pairs of this policy
+    est = ranker.score(dataset_texts, keys) # the dataset is scored ahead, off the critical path
+    ...                                      # each iteration, from a background thread:
+    ranker.update(recent_texts, recent_lengths, recent_keys)   # cheap online refresh
+
+``keys`` are stable prompt identities (a dataset index or a hash of the prompt); when omitted the
+text itself is the key. Rankers that remember per-prompt history (``history``, ``blend``) need
+them; text-only rankers (``learned``) ignore them except to group samples of one prompt.
+
+``update`` may run on a background thread while ``score`` runs on another: implementations build
+their new state aside and swap it in under a lock, so ``score`` always sees a consistent model.
+Pure numpy/torch: no Ray, no engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import numpy as np
+
+# name -> "module:Class"; imported on demand so the factory pulls in torch only when needed.
+RANKERS = {
+    "learned": "streamrl.ranker.learned:LearnedRanker",
+    "history": "streamrl.ranker.history:HistoryRanker",
+    "blend": "streamrl.ranker.history:BlendRanker",
+    "prompt-length": "streamrl.ranker.base:PromptLengthRanker",
+}
+
+
+def check_samples(texts: Sequence[str], lengths: Sequence[float] | None,
+                  keys: Sequence[str] | None) -> tuple[list[str], np.ndarray | None, list[str]]:
+    """Validate one batch of samples; returns (texts, lengths as float64, keys defaulting to texts)."""
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] must be str, got {type(t).__name__}: {t!r:.80}")
+    keys = texts if keys is None else [str(k) for k in keys]
+    if len(keys) != len(texts):
+        raise ValueError(f"keys and texts differ in length: {len(keys)} vs {len(texts)}")
+    if lengths is None:
+        return texts, None, keys
+    lens = np.asarray(lengths, dtype=np.float64)
+    if lens.shape != (len(texts),):
+        raise ValueError(f"lengths must be 1-D with one value per text ({len(texts)}), got shape {lens.shape}")
+    bad = np.flatnonzero(~np.isfinite(lens) | (lens < 0))
+    if bad.size:
+        raise ValueError(f"lengths must be finite and >= 0; bad at {bad[:5].tolist()}: {lens[bad[:5]].tolist()}")
+    return texts, lens, keys
+
+
+class Ranker(ABC):
+    """Estimates output lengths of prompts; higher score = longer expected response."""
+
+    name: str = "ranker"
+
+    @abstractmethod
+    def fit(self, texts: Sequence[str], lengths: Sequence[float], keys: Sequence[str] | None = None) -> "Ranker":
+        """Train from scratch on (prompt, response length) pairs, one row per response. Returns self."""
+
+    @abstractmethod
+    def score(self, texts: Sequence[str], keys: Sequence[str] | None = None) -> np.ndarray:
+        """Estimated output length per prompt (float64, shape ``(len(texts),)``)."""
+
+    @abstractmethod
+    def update(self, texts: Sequence[str], lengths: Sequence[float], keys: Sequence[str] | None = None) -> None:
+        """Fold in one batch of recent generations (one RL iteration); cheap, thread-safe."""
+
+
+class PromptLengthRanker(Ranker):
+    """Baseline: the longer the prompt, the longer the answer (no training)."""
+
+    name = "prompt-length"
+
+    def fit(self, texts, lengths, keys=None) -> "PromptLengthRanker":
+        check_samples(texts, lengths, keys)
+        return self
+
+    def score(self, texts, keys=None) -> np.ndarray:
+        texts, _, _ = check_samples(texts, None, keys)
+        return np.array([float(len(t)) for t in texts])
+
+    def update(self, texts, lengths, keys=None) -> None:
+        check_samples(texts, lengths, keys)
+
+
+def make_ranker(name: str, **kwargs) -> Ranker:
+    """Build the ranker registered under ``name``; unknown names fail with the known ones listed."""
+    if name not in RANKERS:
+        raise ValueError(f"unknown ranker {name!r}; known: {sorted(RANKERS)}")
+    module_name, cls_name = RANKERS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(**kwargs)

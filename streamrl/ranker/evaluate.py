@@ -1,0 +1,360 @@
+"""Train-and-evaluate protocols for output-length rankers, on any list of ``LengthRecord``.
+
+A record is one response: ``(key, text, length, step)`` — prompt identity, prompt text, output
+length, and when it was generated (checkpoint / RL iteration; 0 for a static file). Loaders at
+the end turn the real data files into records; the live-policy evaluation only has to write its
+samples as JSONL (``load_samples_jsonl``) to reuse everything here. Keys of the real files are
+``sha1(question)[:12]``, the key the SkyThought CSV already uses, so prompts match across files.
+
+Protocols (no evaluation sample is ever seen in training):
+
+- ``prompt_folds``: k-fold by prompt key; the ranker never saw the evaluation prompts. Each fold
+  is one batch (scores of models trained on different folds are never compared).
+- ``sample_folds``: within every prompt, its samples are split into k folds; the ranker trains
+  on the other folds of *all* prompts (RL's "same prompt, earlier epoch"). One batch per fold.
+- ``streaming``: steps in order; fit on the first step, then for each later step score it,
+  evaluate, and ``update`` with it (exactly the online refresh during RL). Metrics per step,
+  averaged weighted by the step's size: ranking only matters within one dispatch batch.
+- ``transfer``: fit on one record set, score another (e.g. another model's lengths on other
+  prompts).
+
+Beside each ranker, every protocol reports:
+- ``ceiling (seen)``: per sample, the mean length of its prompt's samples *that the ranker could
+  have seen* under that protocol (held-out prompts: none, so it is random);
+- ``oracle (other samples)``: the mean length of the prompt's other samples anywhere in the data,
+  including unseen ones (the data README's ceiling for a prompt-only ranker; NaN where no prompt
+  has two samples);
+- ``random``: exact expectation (recall = k/n, Spearman 0).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+import random as _random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from streamrl.ranker.base import Ranker, make_ranker
+from streamrl.ranker.metrics import DEFAULT_FRACS, ceiling_scores, rank_metrics
+
+METRIC_KEYS = tuple(f"recall@{f * 100:g}%" for f in DEFAULT_FRACS) + ("spearman",)
+
+
+@dataclass(frozen=True)
+class LengthRecord:
+    """One response of a policy to a prompt."""
+
+    key: str
+    """Stable prompt identity (dataset index or question hash); samples of one prompt share it."""
+    text: str
+    """The prompt text the ranker reads."""
+    length: float
+    """Output length (tokens or whitespace tokens; one unit per data set)."""
+    step: int = 0
+    """When it was generated: checkpoint or RL iteration, in order; 0 for a static file."""
+
+
+@dataclass
+class Prediction:
+    """Scores for one evaluation batch, and which records the ranker could have seen before it."""
+
+    batch: str
+    records: list[LengthRecord]
+    scores: np.ndarray
+    seen: list[LengthRecord]
+
+
+def load_samples_jsonl(path: str | Path) -> list[LengthRecord]:
+    """Records from a JSONL of ``{"key", "text", "length", "step"}`` rows (the live-policy format)."""
+    out = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            missing = [k for k in ("key", "text", "length") if k not in row]
+            if missing:
+                raise ValueError(f"{path} line {line_no}: missing fields {missing} in {sorted(row)}")
+            out.append(LengthRecord(str(row["key"]), str(row["text"]), float(row["length"]), int(row.get("step", 0))))
+    if not out:
+        raise ValueError(f"{path}: no records")
+    return out
+
+
+def _fit(factory: Callable[[], Ranker], recs: Sequence[LengthRecord]) -> Ranker:
+    return factory().fit([r.text for r in recs], [r.length for r in recs], [r.key for r in recs])
+
+
+def _score(ranker: Ranker, recs: Sequence[LengthRecord]) -> np.ndarray:
+    return ranker.score([r.text for r in recs], [r.key for r in recs])
+
+
+def prompt_folds(records: Sequence[LengthRecord], factory: Callable[[], Ranker], k: int = 5,
+                 seed: int = 0) -> list[Prediction]:
+    """k-fold by prompt key: evaluation prompts never seen in training; one batch per fold."""
+    keys = sorted({r.key for r in records})
+    if len(keys) < k:
+        raise ValueError(f"need at least k={k} prompts for prompt folds, got {len(keys)}")
+    _random.Random(seed).shuffle(keys)
+    fold_of = {key: i % k for i, key in enumerate(keys)}
+    out = []
+    for fold in range(k):
+        train = [r for r in records if fold_of[r.key] != fold]
+        test = [r for r in records if fold_of[r.key] == fold]
+        out.append(Prediction(f"fold {fold}", test, _score(_fit(factory, train), test), train))
+    return out
+
+
+def sample_folds(records: Sequence[LengthRecord], factory: Callable[[], Ranker], k: int = 2,
+                 seed: int = 0) -> list[Prediction]:
+    """Split each prompt's samples into k folds; train on the others of every prompt. Batch per fold."""
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(records):
+        by_key[r.key].append(i)
+    small = {key: len(ix) for key, ix in by_key.items() if len(ix) < k}
+    if small:
+        raise ValueError(f"sample folds need >= k={k} samples per prompt; short prompts: {dict(list(small.items())[:5])}")
+    rng = _random.Random(seed)
+    fold = np.empty(len(records), dtype=int)
+    for key in sorted(by_key):
+        ix = list(by_key[key])
+        rng.shuffle(ix)
+        for j, i in enumerate(ix):
+            fold[i] = j % k
+    out = []
+    for f in range(k):
+        train = [r for r, g in zip(records, fold) if g != f]
+        test = [r for r, g in zip(records, fold) if g == f]
+        out.append(Prediction(f"fold {f}", test, _score(_fit(factory, train), test), train))
+    return out
+
+
+def streaming(records: Sequence[LengthRecord], factory: Callable[[], Ranker], warmup_steps: int = 1) -> list[Prediction]:
+    """Fit on the first ``warmup_steps`` steps; then score each later step and update with it."""
+    steps = sorted({r.step for r in records})
+    if len(steps) <= warmup_steps:
+        raise ValueError(f"streaming needs more than warmup_steps={warmup_steps} steps, got steps {steps}")
+    seen = [r for r in records if r.step in steps[:warmup_steps]]
+    ranker = _fit(factory, seen)
+    out = []
+    for step in steps[warmup_steps:]:
+        batch = [r for r in records if r.step == step]
+        out.append(Prediction(f"step {step}", batch, _score(ranker, batch), list(seen)))
+        ranker.update([r.text for r in batch], [r.length for r in batch], [r.key for r in batch])
+        seen.extend(batch)
+    return out
+
+
+def transfer(train: Sequence[LengthRecord], test: Sequence[LengthRecord], factory: Callable[[], Ranker]) -> list[Prediction]:
+    """Fit on ``train``, score ``test`` (one pooled batch); the caller keeps the two disjoint."""
+    overlap = {r.key for r in train} & {r.key for r in test}
+    if overlap:
+        raise ValueError(f"transfer train and test share {len(overlap)} prompt keys, e.g. {sorted(overlap)[:3]}")
+    return [Prediction("pooled", list(test), _score(_fit(factory, train), test), list(train))]
+
+
+def batch_metrics(preds: Iterable[Prediction], scores_of: Callable[[Prediction], np.ndarray]) -> dict[str, float]:
+    """Metrics per batch (predictions with the same ``batch`` are pooled), averaged by batch size."""
+    pooled: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for p in preds:
+        lens, scores = pooled[p.batch]
+        lens.extend(r.length for r in p.records)
+        scores.extend(np.asarray(scores_of(p), dtype=np.float64).tolist())
+    total = sum(len(v[0]) for v in pooled.values())
+    out = {m: 0.0 for m in METRIC_KEYS}
+    for lens, scores in pooled.values():
+        for m, v in rank_metrics(lens, scores).items():
+            out[m] += v * len(lens) / total
+    out["n"] = float(total)
+    out["batches"] = float(len(pooled))
+    return out
+
+
+def reference_rows(preds: list[Prediction], all_records: Sequence[LengthRecord]) -> list[dict]:
+    """The ceiling (seen), oracle (other samples) and random rows for one protocol's predictions."""
+    loo = ceiling_scores([r.key for r in all_records], [r.length for r in all_records])
+    loo_of = {id(r): s for r, s in zip(all_records, loo)}
+    has_other = len({r.key for r in all_records}) < len(all_records)
+
+    def seen_ceiling(p: Prediction) -> np.ndarray:
+        return ceiling_scores([r.key for r in p.records], [r.length for r in p.records],
+                              [r.key for r in p.seen], [r.length for r in p.seen])
+
+    rows = [{"ranker": "ceiling (seen)", **batch_metrics(preds, seen_ceiling)}]
+    if has_other:
+        rows.append({"ranker": "oracle (other samples)",
+                     **batch_metrics(preds, lambda p: np.array([loo_of[id(r)] for r in p.records]))})
+    else:
+        rows.append({"ranker": "oracle (other samples)", **{m: float("nan") for m in METRIC_KEYS},
+                     "n": rows[0]["n"], "batches": rows[0]["batches"]})
+    rand = batch_metrics(preds, lambda p: np.zeros(len(p.records)))
+    rand["spearman"] = 0.0  # expectation; a constant score's Spearman is undefined
+    rows.append({"ranker": "random", **rand})
+    return rows
+
+
+def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[str],
+             ranker_kwargs: dict[str, dict] | None = None, test_records: Sequence[LengthRecord] | None = None,
+             folds: int | None = None, seed: int = 0) -> list[dict]:
+    """Rows ``{"protocol", "ranker", recall@..., "spearman", "n", "batches", "fit_s"}`` for one protocol.
+
+    ``protocol`` is ``prompts``, ``samples``, ``streaming`` or ``transfer`` (then ``records`` is the
+    training set and ``test_records`` the evaluation set).
+    """
+    import time
+
+    ranker_kwargs = ranker_kwargs or {}
+    rows, preds = [], None
+    for name in rankers:
+        def factory(name=name):
+            return make_ranker(name, **ranker_kwargs.get(name, {}))
+        t0 = time.perf_counter()
+        if protocol == "prompts":
+            preds = prompt_folds(records, factory, k=folds or 5, seed=seed)
+        elif protocol == "samples":
+            preds = sample_folds(records, factory, k=folds or 2, seed=seed)
+        elif protocol == "streaming":
+            preds = streaming(records, factory)
+        elif protocol == "transfer":
+            if test_records is None:
+                raise ValueError("protocol 'transfer' needs test_records")
+            preds = transfer(records, test_records, factory)
+        else:
+            raise ValueError(f"unknown protocol {protocol!r}; known: prompts, samples, streaming, transfer")
+        elapsed = time.perf_counter() - t0
+        rows.append({"ranker": name, **batch_metrics(preds, lambda p: p.scores), "fit_s": elapsed})
+    if preds is None:
+        raise ValueError("no rankers given")
+    every = list(records) + list(test_records or [])
+    rows.extend(reference_rows(preds, every))
+    return [{"protocol": protocol, **row} for row in rows]
+
+
+# -- real data files (README in the data dir) --------------------------------------------------
+QWEN_MATH_FILE = "qwen25math_math_cot_100.jsonl"
+SKYTHOUGHT_CSV = "skythought_response_lengths.csv"
+AIME_FILE = "skythought_sky-t1-math-correct-5k-32b_ckpt140_aime24.jsonl"
+MATH500_FILE = "math500_test.jsonl"
+CKPT_RUN = "Sky-T1-math-correct-5K-32B-ckpts/checkpoint-"
+
+
+def question_key(question: str) -> str:
+    """The SkyThought CSV's ``question_sha1_12``."""
+    return hashlib.sha1(question.encode()).hexdigest()[:12]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_qwen_math(data_dir: Path) -> list[LengthRecord]:
+    """100 MATH prompts x 8 Qwen2.5-Math responses; length in whitespace tokens."""
+    out = []
+    for line_no, row in enumerate(_jsonl(data_dir / QWEN_MATH_FILE), 1):
+        responses = row.get("code")
+        if not isinstance(responses, list) or not all(isinstance(x, str) for x in responses):
+            raise ValueError(f"{QWEN_MATH_FILE} line {line_no}: 'code' must be a list of responses, got {type(responses).__name__}")
+        key = question_key(row["question"])
+        out.extend(LengthRecord(key, row["question"], float(len(x.split()))) for x in responses)
+    return out
+
+
+def _texts_by_key(path: Path, field: str) -> dict[str, str]:
+    return {question_key(row[field]): row[field] for row in _jsonl(path)}
+
+
+def _csv_rows(data_dir: Path) -> list[dict]:
+    with open(data_dir / SKYTHOUGHT_CSV, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _with_text(rows: list[dict], texts: dict[str, str], step_of: Callable[[dict], int]) -> list[LengthRecord]:
+    missing = sorted({r["question_sha1_12"] for r in rows} - set(texts))
+    if missing:
+        raise ValueError(f"{len(missing)} CSV prompts have no question text, e.g. {missing[:3]}")
+    return [LengthRecord(r["question_sha1_12"], texts[r["question_sha1_12"]], float(r["response_wtok"]), step_of(r))
+            for r in rows]
+
+
+def load_skythought_checkpoints(data_dir: Path) -> list[LengthRecord]:
+    """The 30 AIME24 prompts under the 11 checkpoints of Sky-T1-32B; step = checkpoint number."""
+    rows = [r for r in _csv_rows(data_dir) if r["dataset"] == "aime24" and CKPT_RUN in r["source_path"]]
+    if not rows:
+        raise ValueError(f"{SKYTHOUGHT_CSV}: no aime24 rows with {CKPT_RUN!r} in source_path")
+
+    def step_of(r: dict) -> int:
+        return int(re.search(re.escape(CKPT_RUN) + r"(\d+)", r["source_path"]).group(1))
+
+    return _with_text(rows, _texts_by_key(data_dir / AIME_FILE, "question"), step_of)
+
+
+def load_skythought_math500(data_dir: Path) -> dict[str, list[LengthRecord]]:
+    """MATH-500 responses per model (one greedy response per prompt), text from the MATH-500 file."""
+    texts = _texts_by_key(data_dir / MATH500_FILE, "problem")
+    by_model: dict[str, list[dict]] = defaultdict(list)
+    for r in _csv_rows(data_dir):
+        if r["dataset"] == "math500":
+            by_model[r["model_label"].split("/")[-1]].append(r)
+    return {m: _with_text(rows, texts, lambda r: 0) for m, rows in sorted(by_model.items())}
+
+
+def _require(data_dir: Path, *names: str) -> None:
+    missing = [n for n in names if not (data_dir / n).exists()]
+    if missing:
+        raise FileNotFoundError(f"data files missing in {data_dir}: {missing} (set $STREAMRL_DATA_DIR or --data-dir)")
+
+
+def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: dict[str, dict] | None = None,
+              file: str | Path | None = None, folds: int | None = None, seed: int = 0) -> list[tuple[str, list[dict], str]]:
+    """Every protocol that applies to ``data``: a list of ``(title, rows, note)``."""
+    def run(protocol: str, recs, test=None) -> list[dict]:
+        return evaluate(protocol, recs, rankers, ranker_kwargs, test_records=test, folds=folds, seed=seed)
+
+    out = []
+    if data == "qwen-math":
+        _require(data_dir, QWEN_MATH_FILE)
+        recs = load_qwen_math(data_dir)
+        out.append(("qwen-math: held-out prompts", run("prompts", recs), f"{folds or 5}-fold by prompt"))
+        out.append(("qwen-math: held-out samples of seen prompts", run("samples", recs),
+                    f"each prompt's 8 responses in {folds or 2} folds"))
+        if all((data_dir / n).exists() for n in (SKYTHOUGHT_CSV, MATH500_FILE)):
+            test_keys = {r.key for r in recs}
+            train = [r for r in load_skythought_math500(data_dir)["Qwen2.5-Math-7B"] if r.key not in test_keys]
+            out.append(("train MATH-500 (Qwen2.5-Math-7B) -> test qwen-math", run("transfer", train, recs),
+                        f"{len({r.key for r in train})} other prompts, another model"))
+    elif data == "skythought":
+        _require(data_dir, SKYTHOUGHT_CSV, AIME_FILE, MATH500_FILE)
+        ckpt = load_skythought_checkpoints(data_dir)
+        steps = sorted({r.step for r in ckpt})
+        out.append((f"skythought AIME24: checkpoints {steps[0]}..{steps[-1]}", run("streaming", ckpt),
+                    "fit on the first, score each later one then update; metrics per checkpoint"))
+        for model, recs in load_skythought_math500(data_dir).items():
+            out.append((f"skythought MATH-500 {model}: held-out prompts", run("prompts", recs),
+                        f"{folds or 5}-fold by prompt; one response per prompt"))
+    elif data == "samples":
+        if file is None:
+            raise ValueError("data 'samples' needs a records file")
+        recs = load_samples_jsonl(file)
+        steps = {r.step for r in recs}
+        counts = defaultdict(int)
+        for r in recs:
+            counts[r.key] += 1
+        if len(steps) > 1:
+            out.append((f"{file}: streaming over {len(steps)} steps", run("streaming", recs), "per step"))
+        if len(counts) >= (folds or 5):
+            out.append((f"{file}: held-out prompts", run("prompts", recs), f"{folds or 5}-fold by prompt"))
+        if min(counts.values()) >= (folds or 2):
+            out.append((f"{file}: held-out samples of seen prompts", run("samples", recs), f"{folds or 2} folds"))
+        if not out:
+            raise ValueError(f"{file}: one step and too few prompts/samples for any protocol")
+    else:
+        raise ValueError(f"unknown data {data!r}; known: qwen-math, skythought, samples")
+    return out

@@ -1,0 +1,224 @@
+"""Output-length rankers: metrics on hand cases, online refresh, learned vs random, `rank eval`."""
+
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from streamrl.ranker.base import make_ranker
+from streamrl.ranker.evaluate import (QWEN_MATH_FILE, LengthRecord, evaluate, load_samples_jsonl, prompt_folds,
+                                      streaming)
+from streamrl.ranker.history import BlendRanker, HistoryRanker
+from streamrl.ranker.learned import LearnedRanker, ngram_buckets
+from streamrl.ranker.metrics import average_ranks, ceiling_scores, rank_metrics, recall_at_top, spearman
+from streamrl.tasks.base import default_data_dir
+
+
+# -- metrics -------------------------------------------------------------------------------------
+def test_recall_perfect_reversed_and_partial():
+    true = np.arange(1, 11, dtype=float)  # k = 2 for 20% of 10
+    assert recall_at_top(true, true, 0.2) == 1.0
+    assert recall_at_top(true, -true, 0.2) == 0.0
+    scores = true.copy()
+    scores[9] = 0.0  # the longest predicted shortest: finds 9 of the top {9, 10} only
+    assert recall_at_top(true, scores, 0.2) == 0.5
+
+
+def test_recall_constant_scores_is_exactly_random():
+    true = np.array([5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 0.5])
+    assert recall_at_top(true, np.zeros(10), 0.3) == pytest.approx(0.3)
+
+
+def test_recall_ties_are_expected_over_random_tie_breaking():
+    # true top-2 of [3, 2, 2, 1]: sample 0, and one of samples 1/2 -> memberships [1, .5, .5, 0];
+    # predicted top-2 of [0, 1, 0, 0]: sample 1, and one of 0/2/3 -> [1/3, 1, 1/3, 1/3].
+    got = recall_at_top([3, 2, 2, 1], [0, 1, 0, 0], 0.5)
+    assert got == pytest.approx((1 * 1 / 3 + 0.5 * 1 + 0.5 * 1 / 3) / 2)
+    # brute force: average over all tie-breaking orders agrees
+    rng = np.random.default_rng(0)
+    trials = []
+    for _ in range(4000):
+        jt, js = rng.random(4) * 1e-6, rng.random(4) * 1e-6
+        trials.append(recall_at_top(np.array([3, 2, 2, 1]) + jt, np.array([0, 1, 0, 0]) + js, 0.5))
+    assert np.mean(trials) == pytest.approx(got, abs=0.02)
+
+
+def test_recall_rejects_bad_input():
+    with pytest.raises(ValueError, match="differ in length"):
+        recall_at_top([1, 2, 3], [1, 2], 0.5)
+    with pytest.raises(ValueError, match="frac"):
+        recall_at_top([1, 2], [1, 2], 0.0)
+    with pytest.raises(ValueError, match="non-finite"):
+        recall_at_top([1, float("nan")], [1, 2], 0.5)
+
+
+def test_average_ranks_and_spearman_with_ties():
+    assert average_ranks([10, 20, 20, 30]).tolist() == [1.0, 2.5, 2.5, 4.0]
+    a, b = [1, 2, 3, 4, 5], [5, 6, 7, 8, 7]
+    ra, rb = np.array([1, 2, 3, 4, 5.0]), np.array([1, 2, 3.5, 5, 3.5])
+    assert spearman(a, b) == pytest.approx(np.corrcoef(ra, rb)[0, 1])
+    assert spearman(a, [x ** 3 for x in a]) == pytest.approx(1.0)
+    assert spearman(a, [-x for x in a]) == pytest.approx(-1.0)
+    assert np.isnan(spearman(a, [1] * 5))
+    try:
+        from scipy.stats import spearmanr
+    except ImportError:
+        return
+    x, y = np.random.default_rng(1).integers(0, 5, (2, 50))
+    assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic)
+
+
+def test_ceiling_is_mean_of_other_or_seen_samples():
+    keys, lens = ["a", "a", "b", "b", "b"], [1, 3, 2, 4, 6]
+    assert ceiling_scores(keys, lens).tolist() == [3, 1, 5, 4, 3]
+    got = ceiling_scores(["a", "b", "c"], [0, 0, 0], ref_keys=["a", "a", "b"], ref_lengths=[2, 4, 9])
+    assert got.tolist() == [3, 9, 5]  # unseen prompt "c" gets the reference mean: no information
+
+
+# -- rankers -------------------------------------------------------------------------------------
+def test_factory_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown ranker 'oracle'.*known"):
+        make_ranker("oracle")
+    assert isinstance(make_ranker("history", decay=0.5), HistoryRanker)
+    with pytest.raises(ValueError, match="decay"):
+        make_ranker("history", decay=0.0)
+
+
+def test_rankers_reject_bad_lengths_with_the_values():
+    with pytest.raises(ValueError, match=r"-3\.0"):
+        HistoryRanker().fit(["p", "q"], [1.0, -3.0])
+    with pytest.raises(RuntimeError, match="before fit"):
+        LearnedRanker().score(["p"])
+
+
+def test_history_ranker_follows_the_policy_after_update():
+    hist = HistoryRanker(decay=0.5)
+    hist.fit(["a", "a", "b", "b"], [900, 1100, 100, 120])
+    assert np.argmax(hist.score(["a", "b"])) == 0
+    for _ in range(2):  # the policy now writes long answers to b and short ones to a
+        hist.update(["a", "b"], [50, 2000])
+    assert np.argmax(hist.score(["a", "b"])) == 1
+    assert hist.history_count("a") == pytest.approx(2 * 0.25 + 0.5 + 1)
+
+
+def test_history_unseen_prompt_gets_recent_median():
+    hist = HistoryRanker(space="linear").fit(["a", "b", "c"], [10, 20, 30])
+    assert hist.score(["zzz"]).tolist() == [20.0]
+
+
+def toy_records(n_prompts=240, samples=2, seed=0):
+    """Length is a clear function of the text: number of items to list and whether it says 'prove'."""
+    rng = random.Random(seed)
+    words = ["apple", "river", "stone", "cloud", "lamp", "seed", "wolf", "coin"]
+    out = []
+    for i in range(n_prompts):
+        items = rng.randint(1, 12)
+        prove = rng.random() < 0.3
+        text = (f"Problem {i}: " + ("prove that " if prove else "compute ") +
+                " ".join(rng.choice(words) for _ in range(items)) + " ;" * items)
+        for _ in range(samples):
+            length = (30 * items + (400 if prove else 0)) * rng.uniform(0.8, 1.25)
+            out.append(LengthRecord(f"k{i}", text, length))
+    return out
+
+
+def test_learned_ranker_beats_random_on_held_out_toy_prompts():
+    preds = prompt_folds(toy_records(), lambda: LearnedRanker(), k=4)
+    true = np.concatenate([[r.length for r in p.records] for p in preds])
+    scores = np.concatenate([p.scores for p in preds])
+    m = rank_metrics(true, scores)
+    assert m["spearman"] > 0.7
+    assert m["recall@20%"] > 0.6  # random: 0.2
+
+
+def test_learned_ranker_scores_1000_prompts_quickly():
+    recs = toy_records(n_prompts=500, samples=1)
+    ranker = LearnedRanker().fit([r.text for r in recs], [r.length for r in recs])
+    texts = [r.text * 3 for r in recs] * 2  # 1,000 prompts of a few hundred characters
+    t0 = time.perf_counter()
+    assert ranker.score(texts).shape == (1000,)
+    assert time.perf_counter() - t0 < 5.0  # ~0.2 s here; loose for a shared CI core
+
+
+def test_ngram_hash_is_stable_across_processes():
+    # Python's str hash is salted per process; ours must not be (models are saved and reloaded).
+    assert ngram_buckets("ab", (1, 2), 13).tolist() == ngram_buckets("ab", (1, 2), 13).tolist()
+    assert ngram_buckets("ab", (1, 2), 13).size == 3
+
+
+def test_blend_uses_learned_for_new_prompts_and_history_for_known_ones():
+    recs = toy_records(n_prompts=120, samples=4)
+    blend = BlendRanker(prior_count=1.0)
+    blend.fit([r.text for r in recs], [r.length for r in recs], [r.key for r in recs])
+    new = "Problem 999: prove that wolf wolf wolf wolf ; ; ; ;"
+    assert blend.score([new], ["new"]) == pytest.approx(blend.prior.score([new]))
+    # a known prompt whose policy suddenly writes very long answers moves up after updates
+    short_key = min(recs, key=lambda r: r.length)
+    for _ in range(3):
+        blend.update([short_key.text] * 4, [5000.0] * 4, [short_key.key] * 4)
+    scores = blend.score([r.text for r in recs], [r.key for r in recs])
+    assert scores[recs.index(short_key)] == scores.max()
+
+
+def test_update_from_a_background_thread_while_scoring():
+    recs = toy_records(n_prompts=60, samples=1)
+    texts, lens, keys = [r.text for r in recs], [r.length for r in recs], [r.key for r in recs]
+    blend = BlendRanker().fit(texts, lens, keys)
+    errors = []
+
+    def refresh():
+        try:
+            for _ in range(3):
+                blend.update(texts[:20], [x * 2 for x in lens[:20]], keys[:20])
+        except Exception as exc:  # surfaced by the assert below
+            errors.append(exc)
+
+    t = threading.Thread(target=refresh)
+    t.start()
+    while t.is_alive():
+        assert np.all(np.isfinite(blend.score(texts, keys)))
+    t.join()
+    assert not errors
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+def test_streaming_protocol_never_scores_what_it_has_seen(tmp_path):
+    rows = [{"key": f"p{i}", "text": f"prompt {i}", "length": 10.0 * (i + 1) + step, "step": step}
+            for step in range(3) for i in range(10)]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    recs = load_samples_jsonl(path)
+    preds = streaming(recs, lambda: HistoryRanker())
+    assert [p.batch for p in preds] == ["step 1", "step 2"]
+    for p in preds:
+        assert all(s.step < p.records[0].step for s in p.seen)
+    table = {r["ranker"]: r for r in evaluate("streaming", recs, ["history"])}
+    assert table["history"]["spearman"] == pytest.approx(1.0)
+    assert table["random"]["recall@20%"] == pytest.approx(0.2)
+
+
+def test_rank_eval_on_real_qwen_math(tmp_path):
+    if not (default_data_dir() / QWEN_MATH_FILE).exists():
+        pytest.skip(f"{QWEN_MATH_FILE} not in {default_data_dir()} (set STREAMRL_DATA_DIR)")
+    from streamrl.cli import main
+
+    out = tmp_path / "rank.json"
+    assert main(["rank", "eval", "--data", "qwen-math", "--ranker", "history", "--ranker", "learned",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    by = {(r["setting"], r["ranker"]): r for r in rows}
+    samples = "qwen-math: held-out samples of seen prompts"
+    assert by[(samples, "history")]["recall@20%"] > 0.5 > by[(samples, "random")]["recall@20%"]
+    held = "qwen-math: held-out prompts"
+    assert by[(held, "ceiling (seen)")]["recall@20%"] == pytest.approx(0.2)  # nothing seen of these prompts
+    assert by[(held, "learned")]["spearman"] > 0.2
+
+
+def test_bare_rank_command_prints_help(capsys):
+    from streamrl.cli import main
+
+    assert main(["rank"]) == 2
+    assert "eval" in capsys.readouterr().out
