@@ -84,6 +84,8 @@ class GenerationConfig(_Section):
     n_samples: int = Field(8, ge=1, description="samples per prompt (GRPO group size)")
     prompts_per_iter: int = Field(16, ge=1)
     num_instances: int = Field(1, ge=1)
+    dispatch: str = Field("round-robin", description="dispatch policy: random | round-robin | least-loaded | skewness-aware")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per instance, e.g. {H20: 1}")
     threads_per_instance: int = Field(1, ge=1)
     max_batch_tokens: int = Field(1024, ge=16)
     max_requests_per_batch: int = Field(64, ge=1)
@@ -99,7 +101,8 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL to the frozen reference; 0 disables the reference")
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(4096, ge=16, description="token budget of one micro-batch")
-    mini_batches: int = Field(1, ge=1, description="optimizer steps per iteration")
+    step_tokens: int = Field(0, ge=0, description="dynamic batch: an optimizer step fires once finished groups "
+                             "(in completion order) hold this many tokens; 0 = one step per iteration")
     epochs: int = Field(1, ge=1)
     threads: int = Field(1, ge=1)
     # PPO

@@ -3,7 +3,7 @@
 import torch
 
 from streamrl.config import load_config
-from streamrl.trainer.trainer import Trainer, micro_batches, split_even
+from streamrl.trainer.trainer import Prepared, Trainer, dynamic_batches, micro_batches
 from tests.helpers import real_samples
 
 PAIRS = [("D 23,7,0:", "16 9 2 =2"), ("D 23,7,0:", "16 9 =9"), ("S 4819:", "4 12 13 22 =22"),
@@ -91,6 +91,13 @@ def test_checkpoint_resume_is_exact(tiny_policy_dir, tmp_path):
     assert torch.equal(expected, _params(b.model))
 
 
-def test_split_even_keeps_order_and_covers_everything():
-    assert split_even(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
-    assert split_even([1, 2], 5) == [[1], [2]]
+def _group(tokens):
+    return [Prepared(input_ids=[0] * tokens, resp_start=1, old_logprobs=[], reward=0.0, version=0, prompt_id="p")]
+
+
+def test_dynamic_batches_close_when_the_token_budget_fills_and_keep_order():
+    groups = [_group(t) for t in (5, 3, 4, 10, 1, 2)]
+    cut = dynamic_batches(groups, 8)
+    assert [[g[0].num_tokens for g in b] for b in cut] == [[5, 3], [4, 10], [1, 2]]
+    assert dynamic_batches(groups, 0) == [groups]
+    assert dynamic_batches([], 8) == []

@@ -76,7 +76,7 @@ class ColocatedWorker:
         groups = [tr.prepare(g) for g in group_samples(samples)]
         if self.algo == "grpo":
             tr.set_group_advantages(groups)
-        metrics = tr.train_iteration([p for g in groups for p in g])
+        metrics = tr.train_iteration(groups)
         train_s = time.time() - t0
         t1 = time.time()
         version = tr.finish_iteration()

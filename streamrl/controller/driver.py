@@ -132,7 +132,14 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
         logger.log(it + 1, metrics)
         if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
             pipeline.save(str(ckpt), {"iteration": it, "stream": stream.state()})
+    pipeline.finish()
     rl_seconds = time.time() - t_run
+    timeline = getattr(pipeline, "timeline", None)
+    if timeline is not None and len(timeline):
+        from streamrl.metrics.timeline import gantt
+
+        timeline.to_json(out / "timeline.json")
+        gantt(timeline, out / "gantt.png", title=f"{cfg.mode}: {cfg.run.iterations} iterations")
     after = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "after")
     logger.log(cfg.run.iterations + 1, after, echo=False)
     pipeline.save(str(ckpt), {"iteration": cfg.run.iterations - 1, "stream": stream.state()})

@@ -39,6 +39,9 @@ class ColocatedPipeline:
                         "time/step_s": time.time() - t0})
         return samples, metrics
 
+    def finish(self) -> None:
+        """Nothing is ever pending: every call blocks."""
+
     def save(self, path: str, extra: dict) -> None:
         ray.get(self.worker.save.remote(path, extra))
 
@@ -48,3 +51,136 @@ class ColocatedPipeline:
     def shutdown(self) -> None:
         ray.get(self.worker.shutdown.remote())
         ray.kill(self.worker)
+
+
+class DisaggPipeline:
+    """Separate generation instances (the SGS) and trainer actor; three modes.
+
+    - ``disagg-batch``: generate the whole batch, then hand it to the trainer, then push weights.
+    - ``stream-sync``: each finished group goes to the trainer at once (per-sample work on
+      arrival, a step whenever ``trainer.step_tokens`` are buffered); W_{i+1} is installed
+      before iteration i+1 is submitted, so every sample of iteration i comes from W_i.
+    - ``stream-async``: iteration i+1 is submitted as soon as weights >= W_i are installed,
+      i.e. while the trainer still trains iteration i; the trainer publishes W_{i+1} and moves
+      straight on to the next groups while the instances load it (push off the critical path).
+
+    Weight rule, for every mode: generating iteration ``it`` needs installed version
+    ``>= it - max_staleness``; version v is the result of training iteration v - 1.
+    """
+
+    def __init__(self, cfg: Config, ctx) -> None:
+        from streamrl.metrics.timeline import Timeline
+        from streamrl.sgs.service import StreamGenerationService
+        from streamrl.trainer.actor import TrainerActor
+
+        self.cfg, self.ctx = cfg, ctx
+        self.mode = cfg.mode
+        self.max_staleness = 1 if cfg.mode == "stream-async" else 0
+        self.trainer = TrainerActor.options(num_cpus=cfg.trainer.threads).remote(
+            cfg.model_dump(), cfg.trainer.threads, self.max_staleness)
+        self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch)
+        for _ in range(cfg.generation.num_instances):
+            self.sgs.add_instance()
+        self.sgs.update(ray.get(self.trainer.publish.remote()), 0)
+        self.pending: dict[int, ray.ObjectRef] = {}
+        self.results: dict[int, dict] = {}
+        self.timeline = Timeline()
+        self._last_step_end = None
+
+    # ------------------------------------------------------------------------------ weights
+    def _result(self, it: int) -> dict:
+        if it not in self.results:
+            self.results[it] = ray.get(self.pending.pop(it))
+        return self.results[it]
+
+    def _ensure_version(self, needed: int) -> None:
+        if needed <= self.sgs.version:
+            return
+        res = self._result(needed - 1)
+        self.sgs.update(res["handle"], res["version"])
+
+    # ------------------------------------------------------------------------------- one step
+    def generate(self, requests: list[GenRequest]) -> list[Completion]:
+        self.finish()
+        self._ensure_version(max(self.results, default=-1) + 1)
+        return list(self.sgs.generate(requests))
+
+    def step(self, iteration: int, prompts):
+        t0 = time.time()
+        self._ensure_version(iteration - self.max_staleness)
+        gen_version = self.sgs.version
+        requests = self.ctx.builder.build(prompts, iteration)
+        expected = len({r.prompt_id for r in requests})
+        samples, groups_open, last_ref = [], {}, None
+        first_arrival = None
+        if self.mode == "disagg-batch":
+            completions = list(self.sgs.generate(requests))
+            samples = [self.ctx.scorer.score(c, iteration) for c in completions]
+            from streamrl.controller.common import group_samples
+
+            last_ref = self.trainer.add_groups.remote(iteration, group_samples(samples), expected)
+        else:
+            n = self.cfg.generation.n_samples
+            for c in self.sgs.generate(requests):
+                s = self.ctx.scorer.score(c, iteration)
+                samples.append(s)
+                group = groups_open.setdefault(s.prompt.prompt_id, [])
+                group.append(s)
+                if len(group) == n:
+                    del groups_open[s.prompt.prompt_id]
+                    group.sort(key=lambda x: x.sample_idx)
+                    last_ref = self.trainer.add_groups.remote(iteration, [group], expected)
+                    first_arrival = first_arrival or time.time()
+        gen_end = time.time()
+        self.pending[iteration] = last_ref
+        for c in (s.completion for s in samples):
+            self.timeline.add(c.instance, "generate", iteration, c.version_start, c.t_start, c.t_end)
+        metrics = {"time/gen_s": gen_end - t0, "gen/version": gen_version,
+                   "gen/tokens_per_s": sum(s.num_response_tokens for s in samples) / max(gen_end - t0, 1e-9),
+                   "staleness/max": max((self.sgs.version - s.completion.version_start for s in samples), default=0)}
+        if self.mode != "stream-async":
+            res = self._result(iteration)
+            self.sgs.update(res["handle"], res["version"])
+            metrics.update(res["metrics"])
+        else:
+            done = [it for it in list(self.pending) if it < iteration]
+            for it in done:
+                self._result(it)
+            if iteration - 1 in self.results:
+                metrics.update(self.results[iteration - 1]["metrics"])
+        metrics["time/step_s"] = time.time() - (self._last_step_end or t0)
+        self._last_step_end = time.time()
+        self._collect_events()
+        return samples, metrics
+
+    def finish(self) -> None:
+        """Wait for every pending training result and install the newest weights."""
+        for it in sorted(self.pending):
+            self._result(it)
+        if self.results:
+            last = self.results[max(self.results)]
+            if last["version"] > self.sgs.version:
+                self.sgs.update(last["handle"], last["version"])
+        self._collect_events()
+
+    def _collect_events(self) -> None:
+        from streamrl.metrics.timeline import Event
+
+        evs = ray.get(self.trainer.drain_events.remote()) + self.sgs.drain_events()
+        self.timeline.extend(Event(who, what, it, v, s, e) for who, what, it, v, s, e in evs)
+
+    def trained_ids(self) -> list[str]:
+        return ray.get(self.trainer.drain_trained_ids.remote())
+
+    def save(self, path: str, extra: dict) -> None:
+        self.finish()
+        ray.get(self.trainer.save.remote(path, extra))
+
+    def load(self, path: str) -> dict:
+        extra = ray.get(self.trainer.load.remote(path))
+        self.sgs.update(ray.get(self.trainer.publish.remote()), ray.get(self.trainer.version.remote()))
+        return extra
+
+    def shutdown(self) -> None:
+        self.sgs.shutdown()
+        ray.kill(self.trainer)

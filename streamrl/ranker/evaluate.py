@@ -172,8 +172,8 @@ def batch_metrics(preds: Iterable[Prediction], scores_of: Callable[[Prediction],
     for lens, scores in pooled.values():
         for m, v in rank_metrics(lens, scores).items():
             out[m] += v * len(lens) / total
-    out["n"] = float(total)
-    out["batches"] = float(len(pooled))
+    out["n"] = total
+    out["batches"] = len(pooled)
     return out
 
 
@@ -336,8 +336,12 @@ def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: 
         steps = sorted({r.step for r in ckpt})
         out.append((f"skythought AIME24: checkpoints {steps[0]}..{steps[-1]}", run("streaming", ckpt),
                     "fit on the first, score each later one then update; metrics per checkpoint"))
+        # One response per prompt and held-out prompts: history has nothing to remember (it is the
+        # median, blend is learned), so only the text rankers are trained here.
+        text_only = [r for r in rankers if r not in ("history", "blend")] or list(rankers)
         for model, recs in load_skythought_math500(data_dir).items():
-            out.append((f"skythought MATH-500 {model}: held-out prompts", run("prompts", recs),
+            rows = evaluate("prompts", recs, text_only, ranker_kwargs, folds=folds, seed=seed)
+            out.append((f"skythought MATH-500 {model}: held-out prompts", rows,
                         f"{folds or 5}-fold by prompt; one response per prompt"))
     elif data == "samples":
         if file is None:

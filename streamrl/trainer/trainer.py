@@ -191,7 +191,7 @@ class Trainer:
             raise ValueError(f"sample {c.request_id} has an empty response")
         return Prepared(input_ids=list(c.prompt_ids) + list(c.output_ids), resp_start=len(c.prompt_ids),
                         old_logprobs=list(c.logprobs), reward=s.reward, version=c.version_start,
-                        prompt_id=s.prompt.prompt_id)
+                        prompt_id=s.prompt.prompt_id, meta={"request_id": c.request_id})
 
     @staticmethod
     def set_group_advantages(groups: list[list[Prepared]]) -> None:
@@ -251,14 +251,16 @@ class Trainer:
         loss.backward()
         return metrics
 
-    def train_iteration(self, items: list[Prepared]) -> dict[str, float]:
-        """All optimizer steps of one iteration: ``epochs`` passes of ``mini_batches`` steps each,
-        mini-batches formed in the given order. Used by the batch modes; the stream modes call
-        ``train_step`` per dynamic batch with the same partition rule."""
+    def train_iteration(self, groups: list[list[Prepared]]) -> dict[str, float]:
+        """All optimizer steps of one iteration when every group is at hand (colocated mode):
+        ``epochs`` passes over the dynamic batches that ``dynamic_batches`` cuts from the groups
+        in order, i.e. exactly the steps the stream modes take as the groups arrive."""
         metrics: dict[str, float] = {}
+        batches = dynamic_batches(groups, self.tcfg.step_tokens)
         for _ in range(self.tcfg.epochs):
-            for mb in split_even(items, self.tcfg.mini_batches):
-                metrics = self.train_step(mb)
+            for batch in batches:
+                metrics = self.train_step([p for g in batch for p in g])
+        metrics["train/steps_in_iter"] = len(batches) * self.tcfg.epochs
         return metrics
 
     def finish_iteration(self) -> int:
@@ -301,13 +303,23 @@ class Trainer:
         return state["extra"]
 
 
-def split_even(items: list, parts: int) -> list[list]:
-    """Split ``items`` in order into ``parts`` nearly equal consecutive chunks (none empty)."""
-    parts = max(1, min(parts, len(items)))
-    size, rem = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < rem else 0)
-        out.append(items[start:end])
-        start = end
+def group_tokens(group: list[Prepared]) -> int:
+    return sum(p.num_tokens for p in group)
+
+
+def dynamic_batches(groups: list[list[Prepared]], step_tokens: int) -> list[list[list[Prepared]]]:
+    """Cut groups, in the given (completion) order, into optimizer-step batches: a batch closes as
+    soon as its groups hold ``step_tokens`` tokens; the remainder forms the last batch.
+    ``step_tokens == 0`` gives one batch. Stream-sync applies the same rule online."""
+    if step_tokens <= 0:
+        return [list(groups)] if groups else []
+    out, cur, tokens = [], [], 0
+    for g in groups:
+        cur.append(g)
+        tokens += group_tokens(g)
+        if tokens >= step_tokens:
+            out.append(cur)
+            cur, tokens = [], 0
+    if cur:
+        out.append(cur)
     return out
