@@ -43,7 +43,7 @@ class SyntheticSpec:
     min_steps: int = 1
     max_steps: int = 48
     """Step counts are log-uniform on [min_steps, max_steps]."""
-    max_step_size: int = 9
+    max_step_size: int = 3
 
 
 def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:

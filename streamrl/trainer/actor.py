@@ -29,8 +29,9 @@ class StalenessError(RuntimeError):
     """A sample older than the staleness bound reached the trainer."""
 
 
-@ray.remote
-class TrainerActor:
+class IterationTrainer:
+    """The actor's logic as a plain class (tests drive it without Ray)."""
+
     def __init__(self, cfg_tree: dict, threads: int, max_staleness: int) -> None:
         import os
 
@@ -147,3 +148,6 @@ class TrainerActor:
 
     def load(self, path: str) -> dict:
         return self.trainer.load_checkpoint(path)
+
+
+TrainerActor = ray.remote(IterationTrainer)

@@ -1,0 +1,158 @@
+"""Stream generation and pipelining: equivalence, staleness, exactly-once, streaming, versions."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamrl.config import load_config
+from streamrl.controller.common import group_samples
+from streamrl.trainer.actor import IterationTrainer, StalenessError
+from tests.helpers import real_samples
+
+
+def _cfg(policy_dir, *overrides):
+    return load_config(None, [f"policy.path={policy_dir}", "generation.max_new_tokens=24",
+                              "generation.n_samples=2", "generation.prompts_per_iter=6",
+                              "task.num_eval=4", "logging.tensorboard=false", *overrides])
+
+
+PAIRS = [("D 23,2,10:", "21 19 17 15 13 11 =11"), ("D 23,2,10:", "21 19 =19"), ("S 4819:", "4 12 13 22 =22"),
+         ("S 4819:", "4 12 =12"), ("U 5,3,10:", "8 11 =11"), ("U 5,3,10:", "8 =8"),
+         ("S 12:", "1 3 =3"), ("S 12:", "1 =1")]
+REWARDS = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def _params(it: IterationTrainer) -> np.ndarray:
+    import torch
+
+    return torch.cat([p.detach().flatten() for p in it.trainer.model.parameters()]).numpy()
+
+
+def test_stream_sync_and_batch_sync_give_the_same_parameters(tiny_policy_dir):
+    cfg = _cfg(tiny_policy_dir, "trainer.step_tokens=30", "trainer.lr=1e-2")
+    batch, stream = IterationTrainer(cfg.model_dump(), 1, 0), IterationTrainer(cfg.model_dump(), 1, 0)
+    groups = group_samples(real_samples(batch.trainer.model, batch.trainer.tokenizer, PAIRS, REWARDS))
+    res_batch = batch.add_groups(0, groups, expected=len(groups))          # disagg-batch: all at once
+    results = [stream.add_groups(0, [g], expected=len(groups)) for g in groups]  # stream-sync: one by one
+    assert results[:-1] == [None] * (len(groups) - 1) and results[-1]["version"] == res_batch["version"] == 1
+    assert res_batch["metrics"]["train/steps_in_iter"] > 1  # several dynamic batches, not one
+    assert np.allclose(_params(batch), _params(stream), atol=1e-6)
+    assert sorted(batch.drain_trained_ids()) == sorted(stream.drain_trained_ids())
+
+
+def _sample_with_version(sample, version):
+    from dataclasses import replace
+
+    return replace(sample, completion=replace(sample.completion, version_start=version, version_end=version))
+
+
+@settings(max_examples=30, deadline=None)
+@given(bound=st.integers(0, 2), versions=st.lists(st.integers(0, 6), min_size=1, max_size=12), trainer_v=st.integers(0, 6))
+def test_trainer_never_accepts_a_sample_beyond_the_staleness_bound(tiny_policy_dir, bound, versions, trainer_v):
+    cfg = _cfg(tiny_policy_dir)
+    tr = _cached_trainer(tiny_policy_dir, bound)
+    tr.trainer.version = trainer_v
+    base = group_samples(real_samples(tr.trainer.model, tr.trainer.tokenizer, PAIRS[:2], REWARDS[:2]))[0]
+    for i, v in enumerate(versions):
+        tr._reset(-1, 0)
+        group = [_sample_with_version(s, v) for s in base]
+        if trainer_v - v > bound:
+            with pytest.raises(StalenessError, match=f"bound {bound}"):
+                tr.add_groups(i, [group], expected=2)
+        else:
+            assert tr.add_groups(i, [group], expected=2) is None  # accepted, waits for the 2nd group
+    del cfg
+
+
+_TRAINERS: dict = {}
+
+
+def _cached_trainer(policy_dir, bound):
+    if (policy_dir, bound) not in _TRAINERS:
+        _TRAINERS[(policy_dir, bound)] = IterationTrainer(_cfg(policy_dir).model_dump(), 1, bound)
+    return _TRAINERS[(policy_dir, bound)]
+
+
+def _requests(policy_dir, n_prompts, tag="t"):
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.models.tiny import load_policy
+    from streamrl.tasks.synthetic import SyntheticTask
+
+    _, tok = load_policy(policy_dir)
+    cfg = _cfg(policy_dir)
+    prompts = SyntheticTask(num_train=n_prompts, num_eval=1, seed=1).train_prompts()
+    return RequestBuilder(tok, cfg).build(prompts, iteration=0, tag=tag)
+
+
+def test_every_request_is_returned_exactly_once_when_an_instance_is_removed(ray_session, tiny_policy_dir):
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.num_instances=2"))
+    sgs.add_instance()
+    sgs.add_instance()
+    requests = _requests(tiny_policy_dir, 12)
+    seen, removed = [], 0
+    try:
+        for c in sgs.generate(requests):
+            seen.append(c.request_id)
+            if not removed:
+                victim = c.instance or "gen-0"
+                removed = sgs.remove_instance(victim) + 1  # re-submits the victim's unfinished requests
+    finally:
+        sgs.shutdown()
+    assert sorted(seen) == sorted(r.request_id for r in requests)  # none lost, none twice
+    assert removed > 1  # the removed instance really had unfinished work that moved
+    assert sgs.counters["sgs/resubmitted"] == removed - 1
+
+
+def _run(cfg):
+    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.common import PromptStream, make_task
+    from streamrl.models.tiny import load_policy
+
+    task = make_task(cfg)
+    _, tok = load_policy(cfg.policy.path)
+    ctx = RunContext(cfg, task, tok)
+    pipe = make_pipeline(cfg, ctx)
+    stream = PromptStream(task.train_prompts(), seed=0)
+    sent, per_iter = [], []
+    try:
+        for it in range(cfg.run.iterations):
+            prompts = stream.next_batch(cfg.generation.prompts_per_iter)
+            ctx.scorer.register(prompts)
+            samples, metrics = pipe.step(it, prompts)
+            per_iter.append((it, samples, metrics))
+            sent.extend(s.completion.request_id for s in samples)
+        pipe.finish()
+        trained = pipe.trained_ids()
+        events = pipe.timeline.events()
+    finally:
+        pipe.shutdown()
+    return sent, trained, per_iter, events
+
+
+@pytest.mark.parametrize("mode", ["stream-sync", "stream-async"])
+def test_pipeline_trains_every_sample_once_and_respects_versions(ray_session, tiny_policy_dir, mode):
+    cfg = _cfg(tiny_policy_dir, f"mode={mode}", "run.iterations=3", "trainer.step_tokens=60",
+               "generation.num_instances=1")
+    sent, trained, per_iter, events = _run(cfg)
+    assert sorted(sent) == sorted(trained) and len(set(trained)) == len(trained)
+    for it, samples, _ in per_iter:
+        versions = {s.completion.version_start for s in samples}
+        if mode == "stream-sync":
+            assert versions == {it}  # every sample of iteration i comes from W_i
+        else:
+            assert min(versions) >= it - 1 and max(versions) <= it  # one step stale at most
+    if mode == "stream-async":
+        # generation of iteration i+1 overlapped training of iteration i at least once
+        assert any(s.completion.version_start == it - 1 for it, samples, _ in per_iter[1:] for s in samples)
+    # streaming: the trainer had started on a sample before the iteration's last one was generated
+    first = per_iter[0]
+    last_gen_end = max(s.completion.t_end for s in first[1])
+    first_prepare = min(e.start for e in events if e.what == "prepare" and e.iteration == 0)
+    assert first_prepare < last_gen_end
