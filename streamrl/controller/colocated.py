@@ -73,7 +73,8 @@ class ColocatedWorker:
         t0 = time.time()
         tr = self.trainer
         tr.begin_iteration()
-        groups = [tr.prepare(g) for g in group_samples(samples)]
+        units = group_samples(samples) if self.algo == "grpo" else [[s] for s in samples]
+        groups = [tr.prepare(g) for g in units]
         if self.algo == "grpo":
             tr.set_group_advantages(groups)
         metrics = tr.train_iteration(groups)

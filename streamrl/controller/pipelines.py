@@ -21,8 +21,11 @@ class ColocatedPipeline:
         from streamrl.controller.colocated import ColocatedWorker
 
         self.cfg, self.ctx = cfg, ctx
+        from streamrl.metrics.timeline import Timeline
+
         threads = cfg.cluster.num_cpus
         self.worker = ColocatedWorker.options(num_cpus=threads).remote(cfg.model_dump(), threads)
+        self.timeline = Timeline()
 
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
         completions, _ = ray.get(self.worker.generate.remote(requests))
@@ -32,8 +35,14 @@ class ColocatedPipeline:
         t0 = time.time()
         requests = self.ctx.builder.build(prompts, iteration)
         completions, gen_s = ray.get(self.worker.generate.remote(requests))
+        t_gen_end = time.time()
         samples = [self.ctx.scorer.score(c, iteration) for c in completions]
+        t_train = time.time()
         metrics = ray.get(self.worker.train.remote(samples))
+        t_end = time.time()
+        self.timeline.add("colocated-0", "generate", iteration, iteration, t0, t_gen_end)
+        self.timeline.add("colocated-0", "train", iteration, iteration, t_train, t_end - metrics["time/weight_sync_s"])
+        self.timeline.add("colocated-0", "weight_load", iteration, iteration + 1, t_end - metrics["time/weight_sync_s"], t_end)
         gen_tokens = sum(len(c.output_ids) for c in completions)
         metrics.update({"time/gen_s": gen_s, "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9),
                         "time/step_s": time.time() - t0})
@@ -118,16 +127,21 @@ class DisaggPipeline:
             samples = [self.ctx.scorer.score(c, iteration) for c in completions]
             from streamrl.controller.common import group_samples
 
-            last_ref = self.trainer.add_groups.remote(iteration, group_samples(samples), expected)
+            groups = group_samples(samples) if self.cfg.trainer.algo == "grpo" else [[s] for s in samples]
+            last_ref = self.trainer.add_groups.remote(iteration, groups, len(groups))
         else:
-            n = self.cfg.generation.n_samples
+            # Stream unit: a finished group for GRPO (advantages need the group), a sample for PPO.
+            n = self.cfg.generation.n_samples if self.cfg.trainer.algo == "grpo" else 1
+            if n == 1:
+                expected = len(requests)
             for c in self.sgs.generate(requests):
                 s = self.ctx.scorer.score(c, iteration)
                 samples.append(s)
-                group = groups_open.setdefault(s.prompt.prompt_id, [])
+                key = s.prompt.prompt_id if n > 1 else c.request_id
+                group = groups_open.setdefault(key, [])
                 group.append(s)
                 if len(group) == n:
-                    del groups_open[s.prompt.prompt_id]
+                    del groups_open[key]
                     group.sort(key=lambda x: x.sample_idx)
                     last_ref = self.trainer.add_groups.remote(iteration, [group], expected)
                     first_arrival = first_arrival or time.time()

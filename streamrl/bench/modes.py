@@ -1,0 +1,147 @@
+"""`streamrl bench modes`: all four modes on the same workload, seeds and resources.
+
+For each mode: a fresh pipeline, ``warmup`` iterations (not timed: actor start, first weight
+install, and for stream-async the first iteration that has nothing to overlap with), then
+``iterations`` timed iterations. Throughput is samples (and response tokens) over the timed
+wall time; busy fractions come from the stage timeline over the same window.
+
+Pipeline efficiency (per mode) = the step time of a perfect overlap / the measured step time,
+where the perfect overlap is ``max(generation alone, training alone)`` on the disaggregated
+resources, each *measured* in disagg-batch mode (there the stages never overlap, so its
+generation and training times are the stages alone). The disaggregated modes all use the same
+resources (trainer: ``trainer.threads`` CPUs; SGS: ``num_instances x threads_per_instance``);
+colocated gives both stages all ``cluster.num_cpus`` CPUs, and uses the same
+continuous-batching engine (no static batch waiting for its longest member).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from streamrl.config import Config
+
+MODES = ("colocated", "disagg-batch", "stream-sync", "stream-async")
+
+
+def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path) -> dict:
+    from streamrl.controller.common import PromptStream, make_task
+    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.metrics.timeline import gantt
+    from streamrl.models.tiny import load_policy
+
+    task = make_task(cfg)
+    _, tok = load_policy(cfg.policy.path)
+    ctx = RunContext(cfg, task, tok)
+    pipe = make_pipeline(cfg, ctx)
+    stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
+    per_iter, t_start = [], None
+    samples_n = tokens_n = 0
+    try:
+        for it in range(warmup + iterations):
+            if it == warmup:
+                pipe.finish()
+                t_start = time.time()
+            prompts = stream.next_batch(cfg.generation.prompts_per_iter)
+            ctx.scorer.register(prompts)
+            samples, metrics = pipe.step(it, prompts)
+            if it >= warmup:
+                samples_n += len(samples)
+                tokens_n += sum(s.num_response_tokens for s in samples)
+                per_iter.append(metrics)
+        pipe.finish()
+        wall = time.time() - t_start
+        timeline = pipe.timeline
+    finally:
+        pipe.shutdown()
+        ctx.reward_runner.close()
+    summary = timeline.summary(t0=t_start, t1=t_start + wall)
+    rows = timeline.rows()
+    gen_rows = [r for r in rows if r != "trainer"]
+    if cfg.mode == "colocated":
+        gen_busy = summary.get("busy/colocated-0/generate", 0.0)
+        train_busy = summary.get("busy/colocated-0/train", 0.0)
+    else:
+        gen_busy = float(np.mean([summary.get(f"busy/{r}/generate", 0.0) for r in gen_rows])) if gen_rows else 0.0
+        train_busy = summary.get("busy/trainer", 0.0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = out_dir / f"gantt_{cfg.mode}.png"
+    timeline.to_json(out_dir / f"timeline_{cfg.mode}.json")
+    gantt(timeline, png, title=f"{cfg.mode} ({cfg.trainer.algo}, {iterations} timed iterations)")
+    mean = lambda k: float(np.mean([m[k] for m in per_iter if k in m])) if any(k in m for m in per_iter) else float("nan")  # noqa: E731
+    return {"mode": cfg.mode, "samples_per_s": samples_n / wall, "tokens_per_s": tokens_n / wall,
+            "step_s": wall / iterations, "gen_busy": gen_busy, "train_busy": train_busy,
+            "gen_s": mean("time/gen_s"), "train_s": mean("time/train_s"),
+            "reward_mean": mean("reward/mean"), "gantt": str(png)}
+
+
+def thread_scaling(cfg: Config) -> list[dict]:
+    """Generation and training tokens/s of this policy at 1 and 2 threads, measured here."""
+    import copy
+
+    import torch
+
+    from streamrl.controller.colocated import engine_kwargs, run_to_completion
+    from streamrl.controller.common import RequestBuilder, group_samples, make_task
+    from streamrl.models.tiny import load_policy
+    from streamrl.sgs.engines.base import make_engine
+    from streamrl.trainer.trainer import Trainer
+    from streamrl.types import Sample
+
+    task = make_task(cfg)
+    model, tok = load_policy(cfg.policy.path)
+    prompts = task.train_prompts()[: cfg.generation.prompts_per_iter]
+    requests = RequestBuilder(tok, cfg).build(prompts, 0, tag="threads-")
+    rows = []
+    completions = None
+    for threads in (1, 2):
+        engine = make_engine(cfg.generation.engine, copy.deepcopy(model).eval(),
+                             **engine_kwargs(cfg, tok, threads, "bench", cfg.run.seed))
+        t0 = time.time()
+        completions = run_to_completion(engine, [r for r in requests])
+        gen_s = time.time() - t0
+        engine.shutdown()
+        tcfg = cfg.model_copy(deep=True)
+        tcfg.trainer.threads = threads
+        tr = Trainer(tcfg)
+        by_id = {p.prompt_id: p for p in prompts}
+        samples = [Sample(prompt=by_id[c.request_id.split(":", 1)[1].rsplit("/", 1)[0]], sample_idx=0, completion=c,
+                          response_text="", reward=float(i % 2)) for i, c in enumerate(completions)]
+        tr.begin_iteration()
+        groups = [tr.prepare(g) for g in group_samples(samples)]
+        if cfg.trainer.algo == "grpo":
+            tr.set_group_advantages(groups)
+        t0 = time.time()
+        tr.train_iteration(groups)
+        train_s = time.time() - t0
+        torch.set_num_threads(1)
+        gen_tokens = sum(len(c.output_ids) for c in completions)
+        train_tokens = sum(len(c.prompt_ids) + len(c.output_ids) for c in completions)
+        rows.append({"threads": threads, "gen_tokens_per_s": gen_tokens / gen_s, "train_tokens_per_s": train_tokens / train_s})
+    return rows
+
+
+def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=MODES, echo=print) -> dict:
+    from streamrl.controller.driver import ensure_policy, init_ray
+
+    ensure_policy(cfg, echo)
+    scaling = thread_scaling(cfg)
+    init_ray(cfg)
+    rows = []
+    for mode in modes:
+        mcfg = cfg.model_copy(deep=True)
+        mcfg.mode = mode
+        echo(f"bench: {mode} ({warmup} warm-up + {iterations} timed iterations)")
+        rows.append(run_mode(mcfg, warmup, iterations, out_dir))
+        echo(f"  {rows[-1]['samples_per_s']:.2f} samples/s, step {rows[-1]['step_s']:.2f}s")
+    by_mode = {r["mode"]: r for r in rows}
+    base = by_mode.get("disagg-batch")
+    perfect = max(base["gen_s"], base["train_s"]) if base else float("nan")
+    for r in rows:
+        r["pipeline_efficiency"] = perfect / r["step_s"]
+        r["speedup_vs_colocated"] = r["samples_per_s"] / by_mode["colocated"]["samples_per_s"] if "colocated" in by_mode else float("nan")
+    train_share = base["train_s"] / (base["gen_s"] + base["train_s"]) if base else float("nan")
+    return {"rows": rows, "thread_scaling": scaling, "train_share_of_step": train_share,
+            "perfect_overlap_step_s": perfect, "warmup": warmup, "iterations": iterations}
