@@ -16,9 +16,9 @@ def test_generated_solutions_match_the_solver():
 
 
 def test_hand_worked_examples():
-    assert solve("D 23,7,0:") == ("16 9 2 =2", "2")
+    assert solve("D 23,20:") == ("22 21 20 =20", "20")
     assert solve("U 5,3,10:") == ("8 11 =11", "11")
-    assert solve("S 4819:") == ("4 12 13 22 =22", "22")
+    assert solve("S 4819:") == ("4 2 3 2 =2", "2")
 
 
 def test_reward_requires_the_whole_chain():

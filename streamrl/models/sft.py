@@ -92,9 +92,16 @@ def sample(model, tokenizer, prompts: list[str], temperature: float = 1.0, max_n
     return outs
 
 
-def sampled_accuracy(model, tokenizer, problems: list[tuple[str, str, str]], max_new_tokens: int = 220) -> float:
+def sampled_accuracy(model, tokenizer, problems: list[tuple[str, str, str]], max_new_tokens: int = 220,
+                     by_subtask: dict | None = None) -> float:
+    """Fraction of problems solved by one temperature-1 sample; fills ``by_subtask`` if given."""
     responses = sample(model, tokenizer, [p for p, _, _ in problems], max_new_tokens=max_new_tokens)
-    return sum(r.strip() == sol for r, (_, sol, _) in zip(responses, problems)) / len(problems)
+    hits = [r.strip() == sol for r, (_, sol, _) in zip(responses, problems)]
+    if by_subtask is not None:
+        for kind in sorted({p[0] for p, _, _ in problems}):
+            mine = [h for h, (p, _, _) in zip(hits, problems) if p[0] == kind]
+            by_subtask[kind] = sum(mine) / len(mine)
+    return sum(hits) / len(problems)
 
 
 def make_policy(cfg: PolicyConfig, out_dir: str, seed: int = 0, spec: SyntheticSpec = SyntheticSpec(),
@@ -123,8 +130,10 @@ def make_policy(cfg: PolicyConfig, out_dir: str, seed: int = 0, spec: SyntheticS
         tokens += int(mask.sum())
         loss_val = float(out.loss.detach())
         if probe and (step % probe_every == 0 or step == cfg.sft_steps):
-            acc = sampled_accuracy(model, tokenizer, probe)
-            msg = f"sft step {step} loss {loss_val:.4f} sampled_acc {acc:.3f} ({time.time() - t0:.0f}s)"
+            per: dict[str, float] = {}
+            acc = sampled_accuracy(model, tokenizer, probe, by_subtask=per)
+            detail = " ".join(f"{k}={v:.2f}" for k, v in per.items())
+            msg = f"sft step {step} loss {loss_val:.4f} sampled_acc {acc:.3f} ({detail}) ({time.time() - t0:.0f}s)"
             log.info(msg)
             if progress is not None:
                 progress(step, cfg.sft_steps, msg)

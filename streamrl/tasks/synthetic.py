@@ -4,20 +4,20 @@ Each prompt asks for a chain of simple steps whose *number* is drawn log-uniform
 responses range from a handful of characters to a couple of hundred, with a heavy tail like
 reasoning traces. Three sub-tasks, all verifiable:
 
-- ``D a,s,c:`` count down: subtract ``s`` from ``a`` while the result stays >= ``c``, writing each
-  value; the answer is the last value. Steps = ``(a - c) // s``.
+- ``D a,c:`` count down by one from ``a - 1`` to ``c``, writing each value; the answer is ``c``.
+  Steps = ``a - c``.
 - ``U a,s,b:`` count up: add ``s`` to ``a`` until the value exceeds ``b``; the answer is that
   first value above ``b``. Steps = ``(b - a) // s + 1``.
-- ``S d1d2...dk:`` running digit sum: write the running total after each digit; the answer is
-  the total. Steps = ``k``.
+- ``S d1d2...dk:`` running digit sum modulo 10: write the running total (mod 10) after each
+  digit; the answer is the last one. Steps = ``k``.
 
-A response is the chain followed by ``=answer`` (e.g. ``"D 23,7,0:"`` -> ``"16 9 2 =2"``). The reward
+A response is the chain followed by ``=answer`` (e.g. ``"S 4819:"`` -> ``"4 2 3 2 =2"``). The reward
 is 1 when the whole worked chain and the answer are right ("show your work"), else 0. Checking
 the chain, not only the answer, matters: a policy rewarded for the answer alone learns to guess
 short answers to long problems (the answer of ``U`` is within ``s`` of ``b``), and the long tail
 the later benchmarks need collapses. For the count tasks the
-response length is not a function of the prompt length (a 3-digit ``a`` with ``s = 9`` is a short
-chain, with ``s = 2`` a long one), so predicting length is a real ranking problem; for the digit
+response length is not a function of the prompt length (``D 412,409:`` is a short chain, ``D 412,370:`` a
+long one), so predicting length is a real ranking problem; for the digit
 sum it is. Mixed, prompt and response lengths correlate only moderately (``streamrl task stats``).
 
 The policy is character-level, so one character is one token.
@@ -55,13 +55,12 @@ def make_problem(rng: random.Random, spec: SyntheticSpec = SyntheticSpec()) -> t
     kind = rng.choice(SUBTASKS)
     steps = _log_uniform_int(rng, spec.min_steps, spec.max_steps)
     if kind == "D":
-        s = rng.randint(2, spec.max_step_size)
         c = rng.randint(0, 400)
-        a = c + steps * s + rng.randint(0, s - 1)
-        values = list(range(a - s, c - 1, -s))
-        prompt = f"D {a},{s},{c}:"
+        a = c + steps
+        values = list(range(a - 1, c - 1, -1))
+        prompt = f"D {a},{c}:"
     elif kind == "U":
-        s = rng.randint(2, spec.max_step_size)
+        s = rng.randint(1, spec.max_step_size)
         a = rng.randint(0, 400)
         b = a + (steps - 1) * s + rng.randint(0, s - 1)
         values = list(range(a + s, b + s + 1, s))
@@ -71,7 +70,7 @@ def make_problem(rng: random.Random, spec: SyntheticSpec = SyntheticSpec()) -> t
         digits = [rng.randint(0, 9) for _ in range(steps)]
         total, values = 0, []
         for d in digits:
-            total += d
+            total = (total + d) % 10
             values.append(total)
         prompt = "S " + "".join(map(str, digits)) + ":"
     answer = str(values[-1])
@@ -90,8 +89,8 @@ def solve(prompt_text: str) -> tuple[str, str]:
     """Recompute ``(solution, answer)`` from a prompt text (used to verify and to build SFT data)."""
     kind, body = prompt_text[0], prompt_text[2:].rstrip(":")
     if kind == "D":
-        a, s, c = map(int, body.split(","))
-        values = list(range(a - s, c - 1, -s)) or [a]
+        a, c = map(int, body.split(","))
+        values = list(range(a - 1, c - 1, -1)) or [a]
     elif kind == "U":
         a, s, b = map(int, body.split(","))
         values, v = [], a
@@ -101,7 +100,7 @@ def solve(prompt_text: str) -> tuple[str, str]:
     elif kind == "S":
         total, values = 0, []
         for ch in body:
-            total += int(ch)
+            total = (total + int(ch)) % 10
             values.append(total)
     else:
         raise ValueError(f"unknown synthetic sub-task {kind!r} in prompt {prompt_text!r}")

@@ -1,0 +1,38 @@
+"""Tiny policy: tokenizer and model save and reload offline, bit-identical."""
+
+import torch
+
+from streamrl.config import PolicyConfig
+from streamrl.models.tiny import build_model, build_tokenizer, encode_prompt, load_policy, save_policy
+from streamrl.tasks.synthetic import ALPHABET
+
+
+def test_tokenizer_is_character_level_and_round_trips():
+    tok = build_tokenizer([ALPHABET])
+    text = "D 57,40: 56 55 =55"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+
+
+def test_policy_saves_and_reloads_bit_identical(tmp_path):
+    tok = build_tokenizer([ALPHABET])
+    model = build_model(PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
+                        len(tok), tok)
+    save_policy(model, tok, tmp_path / "p")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "p").iterdir()}
+    model2, tok2 = load_policy(tmp_path / "p")
+    ids = torch.tensor([encode_prompt(tok2, "S 123:")])
+    assert encode_prompt(tok2, "S 123:") == encode_prompt(tok, "S 123:")
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, model2(input_ids=ids).logits)
+    assert tok2.eos_token_id == tok.eos_token_id and model2.config.eos_token_id == tok.eos_token_id
+
+
+def test_missing_policy_dir_fails_clearly(tmp_path):
+    import pytest
+
+    with pytest.raises(FileNotFoundError, match="make-policy"):
+        load_policy(tmp_path / "nope")
