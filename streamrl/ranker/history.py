@@ -17,6 +17,10 @@ count ``c`` is ``"auto"`` by default: within-prompt variance of log length divid
 prior's error variance on prompt means (its leave-one-prompt-out RMSE², less the sampling noise of
 a mean), i.e. "how many samples is the learned score worth".
 
+Measured (``streamrl rank eval``): log vs linear mean and decay 1 / 0.7 / 0.4 are within noise on
+qwen-math held-out samples; on the AIME checkpoints decay < 1 is slightly worse (Spearman 0.71 /
+0.70 / 0.68): those checkpoints agree on which prompts are long, so the default is no decay.
+
 State is a dict per key; ``update`` mutates it under a lock (callable from a background thread)
 and ``score`` reads under the same lock.
 """

@@ -7,12 +7,18 @@ Data flow::
     (X, y, w) ──weighted kernel ridge, λ picked by exact leave-one-prompt-out──> β
     score(texts) = exp(featurize(texts) · β + b)
 
-Why this and not a neural net (numbers in ``streamrl/ranker/README``-style notes in the
-``evaluate`` module docstring, measured by ``streamrl rank eval``): with no pretrained weights the
-ranker learns from the few hundred prompts of one policy's history. On held-out prompts a ridge
-on hashed n-grams matched or beat a from-scratch char-CNN trained with a pairwise ranking loss,
-trains in well under a second, and picks its own regularisation by leave-one-prompt-out, which is
-exactly the generalisation that matters (new prompts); the CNN needed tuning per data set.
+Why this and not a neural net: with no pretrained weights the ranker learns from the few hundred
+prompts of one policy's history, and what matters is new prompts. Held-out-prompt Spearman
+(5-fold, ``streamrl rank eval``), ridge / tiny char-CNN (2 conv layers, byte embeddings, RankNet
+pairwise loss, 15 epochs) / prompt length alone:
+
+    qwen-math (80 training prompts)          0.43 / 0.39 / 0.44
+    MATH-500 gemma-2-27b (400 prompts)       0.62 / 0.52 / 0.34
+
+The ridge fits in ~1 s on this CPU (the CNN ~25 s per fit) and scores 1,000 prompts in ~0.25 s.
+Tried and dropped (mean Spearman within 0.02 on qwen-math + five MATH-500 models): n-grams 2–5 or
+1–3, 2**12 buckets, numeric weight 0–8. With few prompts (qwen-math) nothing beats prompt length
+by much: the text carries little length signal beyond size; history (``history.py``) does.
 
 Features: character 1–4-grams hashed (stable multiply-shift hash, not Python's salted ``hash``)
 into ``2**hash_bits`` buckets, sublinear counts ``log1p``, each row L2-normalised; plus
