@@ -74,6 +74,8 @@ class TaskConfig(_Section):
     on_reward_error: Literal["zero", "raise"] = "zero"
     on_bad_row: Literal["skip", "raise"] = Field("skip", description="skip = count and log the row, never silently")
     max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are rejected with a counted error")
+    partial_credit: float = Field(0.0, ge=0, lt=1, description="synthetic task: credit for a correct chain prefix "
+                                  "(exact solutions score 1.0, accuracy counts only those)")
 
 
 class GenerationConfig(_Section):

@@ -49,3 +49,18 @@ def test_spearman_handles_ties_and_matches_hand_values():
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     # ranks x: 1,2,3 ; y with a tie: 1.5,1.5,3 -> corr = 0.866
     assert spearman([1, 2, 3], [5, 5, 9]) == pytest.approx(0.8660254, abs=1e-6)
+
+
+def test_partial_credit_rewards_a_correct_prefix_but_never_as_much_as_the_solution():
+    from streamrl.types import Prompt
+
+    task = SyntheticTask(num_train=1, num_eval=1, partial_credit=0.5)
+    p = Prompt(prompt_id="x", text="D 23,20:", answer="20", meta={"solution": "22 21 20 =20"})
+    assert task.reward(p, "22 21 20 =20") == 1.0
+    assert task.reward(p, "22 21 =21") == pytest.approx(0.5 * 2 / 4)
+    assert task.reward(p, "22 19 20 =20") == pytest.approx(0.5 * 1 / 4)
+    assert task.reward(p, "=20") == 0.0
+    assert max(task.reward(p, r) for r in ["22 21 20", "22 21 20 =19", "22 21 20 19 =19"]) < 1.0
+    assert task.reward(p, "22 21 20 19 18 17 =17") == pytest.approx(0.5 * 3 / 7)  # overshoot costs credit
+    with pytest.raises(ValueError, match="partial_credit"):
+        SyntheticTask(num_train=1, num_eval=1, partial_credit=1.0)

@@ -24,7 +24,8 @@ def make_task(cfg: Config):
     if t.name == "synthetic":
         from streamrl.tasks.synthetic import SyntheticTask
 
-        return SyntheticTask(num_train=t.num_train, num_eval=t.num_eval, seed=cfg.run.seed)
+        return SyntheticTask(num_train=t.num_train, num_eval=t.num_eval, seed=cfg.run.seed,
+                             partial_credit=t.partial_credit)
     from streamrl.tasks.math import MathTask
 
     return MathTask.from_config(t, seed=cfg.run.seed)

@@ -89,7 +89,8 @@ def evaluate(pipeline, ctx: RunContext, prompts, samples_per_prompt: int, tag: s
     completions = pipeline.generate(requests)
     samples = [ctx.scorer.score(c, 0) for c in completions]
     lengths = [s.num_response_tokens for s in samples]
-    return {"eval/accuracy": float(np.mean([s.reward for s in samples])), "eval/samples": len(samples),
+    return {"eval/accuracy": float(np.mean([s.reward >= 1.0 for s in samples])),
+            "eval/reward": float(np.mean([s.reward for s in samples])), "eval/samples": len(samples),
             **length_stats(lengths, "eval/resp_len")}
 
 
@@ -157,6 +158,7 @@ def _sample_metrics(samples) -> dict[str, float]:
     lengths = [s.num_response_tokens for s in samples]
     rewards = [s.reward for s in samples]
     m = {"reward/mean": float(np.mean(rewards)) if rewards else 0.0, "samples": len(samples),
+         "reward/accuracy": float(np.mean([r >= 1.0 for r in rewards])) if rewards else 0.0,
          "reward/errors_in_iter": sum(1 for s in samples if s.reward_info.get("error"))}
     m.update(length_stats(lengths))
     m["resp_len/truncated_frac"] = float(np.mean([s.completion.finish_reason == "length" for s in samples])) if samples else 0.0

@@ -14,6 +14,7 @@ from typing import Any
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
+    ("reward/accuracy", "acc", "{:.3f}"),
     ("resp_len/p50", "len50", "{:.0f}"),
     ("resp_len/p90", "len90", "{:.0f}"),
     ("resp_len/max", "lenmax", "{:.0f}"),

@@ -15,7 +15,10 @@ A response is the chain followed by ``=answer`` (e.g. ``"S 4819:"`` -> ``"4 2 3 
 is 1 when the whole worked chain and the answer are right ("show your work"), else 0. Checking
 the chain, not only the answer, matters: a policy rewarded for the answer alone learns to guess
 short answers to long problems (the answer of ``U`` is within ``s`` of ``b``), and the long tail
-the later benchmarks need collapses. For the count tasks the
+the later benchmarks need collapses. Optional ``partial_credit`` (``task.partial_credit``) adds a
+shaped term for a correct prefix of the chain, strictly below the exact solution's 1.0: without
+it, GRPO sees no signal on long prompts (every sample wrong) and learns from short prompts to
+write ``=`` early, which shortens long responses too. For the count tasks the
 response length is not a function of the prompt length (``D 412,409:`` is a short chain, ``D 412,370:`` a
 long one), so predicting length is a real ranking problem; for the digit
 sum it is. Mixed, prompt and response lengths correlate only moderately (``streamrl task stats``).
@@ -115,8 +118,11 @@ class SyntheticTask(Task):
     reward_is_fast = True
 
     def __init__(self, num_train: int = 4096, num_eval: int = 256, seed: int = 0,
-                 spec: SyntheticSpec = SyntheticSpec()) -> None:
+                 spec: SyntheticSpec = SyntheticSpec(), partial_credit: float = 0.0) -> None:
+        if not 0 <= partial_credit < 1:
+            raise ValueError(f"partial_credit={partial_credit!r} must be in [0, 1)")
         self.spec = spec
+        self.partial_credit = partial_credit
         # The held-out set depends only on its size, so every run and seed sees the same one;
         # training prompts never repeat a held-out prompt's text.
         self._eval = self._make("eval", num_eval, 424242, exclude=set())
@@ -140,4 +146,20 @@ class SyntheticTask(Task):
         return list(self._eval)
 
     def reward(self, prompt: Prompt, response: str) -> float:
-        return 1.0 if response.strip() == prompt.meta["solution"] else 0.0
+        """1.0 for the exact worked solution; otherwise ``partial_credit`` times the length of the
+        correct prefix of the chain over the longer of the two chains (0 with ``partial_credit=0``). Accuracy
+        everywhere counts only exact solutions (reward 1.0)."""
+        solution = prompt.meta["solution"]
+        if response.strip() == solution:
+            return 1.0
+        if self.partial_credit <= 0:
+            return 0.0
+        want = solution.split(" =")[0].split()
+        got = response.split("=")[0].split()
+        prefix = 0
+        for a, b in zip(want, got):
+            if a != b:
+                break
+            prefix += 1
+        # Dividing by the longer of the two chains makes writing past the end cost credit.
+        return self.partial_credit * prefix / (max(len(want), len(got)) + 1)
