@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "streamrl.commands.rank",
     "streamrl.commands.sim",
     "streamrl.commands.plan",
+    "streamrl.commands.profile",
 )
 
 

@@ -1,4 +1,5 @@
-"""``streamrl simulate e2e | ablation | hetero | elastic``: the paper-scale simulator."""
+"""``streamrl simulate e2e | ablation | hetero | elastic | modes``: the paper-scale simulator, and the
+tiny CPU workload from a measured profile (``modes``)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ def register(subparsers) -> None:
     p.add_argument("--png", help="plot of delta and GPUs (default: next to --out)")
     _common(p, iterations=24)
     p.set_defaults(handler="streamrl.sim.cli:run_elastic")
+
+    p = sub.add_parser("modes", help="the tiny CPU bench workload from a measured profile; vs `bench modes` with --bench",
+                       description="Simulates colocated, disagg-batch, stream-sync and stream-async on the workload of "
+                                   "CONFIG (default configs/bench.yaml) with the costs measured by `streamrl profile`; with "
+                                   "--bench, prints the measured values of `streamrl bench modes --out` and the ratio.")
+    p.add_argument("config", nargs="?", default="configs/bench.yaml")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--profile", required=True, help="profile JSON written by `streamrl profile`")
+    p.add_argument("--bench", help="JSON written by `streamrl bench modes --out`")
+    p.add_argument("--lengths", help="output lengths: JSONL/samples file (a length key or output_ids per row) or numbers")
+    p.add_argument("--modes", help="comma list (default colocated,disagg-batch,stream-sync,stream-async)")
+    p.add_argument("--iterations", type=int, default=0, help="iterations (default: the bench's, else 6)")
+    p.add_argument("--seed", type=int, default=0)
+    add_out_argument(p)
+    p.set_defaults(handler="streamrl.sim.cli:run_modes")

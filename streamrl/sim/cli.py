@@ -102,3 +102,66 @@ def _plot_elastic(res: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
+
+
+def run_modes(args: argparse.Namespace) -> int:
+    """``streamrl simulate modes``: the tiny CPU workload from a measured profile, vs the bench."""
+    import json
+    import sys
+
+    from streamrl.config import load_config
+    from streamrl.planner.profile_live import DEFAULT_CONFIG
+    from streamrl.sim import live
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # an override in CONFIG's place: keep the bench workload
+        config, overrides = DEFAULT_CONFIG, [config] + overrides
+    cfg = load_config(config, overrides)
+    try:
+        profile = json.loads(Path(args.profile).read_text())
+    except FileNotFoundError:
+        print(f"streamrl simulate modes: profile {args.profile!r} not found (write it with `streamrl profile`)", file=sys.stderr)
+        return 2
+    bench = json.loads(Path(args.bench).read_text()) if args.bench else None
+    g = cfg.generation
+    lengths, source = None, ""
+    if bench is not None:
+        lengths = live.bench_lengths(bench)
+        source = f"bench JSON {args.bench}"
+    if lengths is None and args.lengths:
+        lengths, source = live.lengths_from_file(args.lengths), f"lengths file {args.lengths}"
+    if lengths is None and profile.get("sample_out_lens"):
+        lengths, source = [float(x) for x in profile["sample_out_lens"]], f"profile {args.profile} (sample_out_lens)"
+    if lengths is None:
+        lengths = live.synthetic_lengths(cfg.task.num_train, cfg.run.seed)
+        source = "synthetic task reference solutions (+1 EOS)"
+    prompt_len = profile.get("prompt_len_mean") or live.synthetic_prompt_len(cfg.task.num_train, cfg.run.seed)
+    iterations = args.iterations or (int(bench["iterations"]) if bench and bench.get("iterations") else 6)
+    modes = _split(args.modes) or live.MODES
+    res = live.simulate_tiny_modes(
+        profile, prompts_per_iter=g.prompts_per_iter, n_samples=g.n_samples, max_new_tokens=g.max_new_tokens,
+        lengths=lengths, prompt_len=float(prompt_len), step_tokens=cfg.trainer.step_tokens,
+        num_instances=g.num_instances, max_batch=g.max_requests_per_batch, dispatch=g.dispatch,
+        iterations=iterations, seed=args.seed, modes=modes,
+        colocated_threads=cfg.cluster.num_cpus, thread_scaling=(bench or {}).get("thread_scaling"))
+    res["assumptions"]["lengths_source"] = source
+    res["profile"] = args.profile
+    rows = res["rows"]
+    cols = ["mode", "sim_samples_per_s", "sim_step_s", "sim_gen_s", "sim_train_s"]
+    if bench is not None:
+        rows = live.compare_with_bench(rows, bench)
+        res["rows"], res["bench"] = rows, args.bench
+        cols += ["meas_samples_per_s", "meas_step_s", "ratio", "within_20pct", "sim_mean_len", "meas_mean_len"]
+    a = res["assumptions"]
+    print_table(f"simulate modes: {a['requests_per_iter']} requests/iter ({g.prompts_per_iter} prompts x {g.n_samples}), "
+                f"{a['instances']} instance(s) + 1 trainer CPU, profile {args.profile}", rows, cols)
+    print(f"  prompt {a['prompt_len']:.1f} tokens; output lengths from {source}: mean {a['mean_out_len']:.1f}, "
+          f"cap {a['max_new_tokens']}; engine batch <= {a['max_batch']}, FIFO admission, prefill free")
+    print(f"  trainer {a['train_tokens_per_s']:.0f} tokens/s; stream-sync batch >= {a['stream_min_batch_tokens']} tokens; "
+          f"{a['iterations']} iterations from an idle pipeline; weight push {a['weight_push_s'] * 1e3:.2f} ms")
+    print(f"  colocated ({a['colocated_threads']} threads): {a['colocated_source']}; "
+          f"trainer {a['colocated_train_tokens_per_s']:.0f} tokens/s")
+    if bench is not None:
+        print("  ratio = simulated / measured samples/s (step time is its inverse); within_20pct: |ratio - 1| <= 0.2")
+    write_json(args.out, res)
+    return 0
