@@ -24,8 +24,8 @@ def run_modes(args) -> int:
     from streamrl.config import load_config
 
     config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
-        config, overrides = None, [config] + overrides
+    if config is not None and "=" in config:  # an override in the config slot: keep the default file
+        config, overrides = "configs/bench.yaml", [config] + overrides
     cfg = load_config(config, overrides)
     import logging
 

@@ -9,6 +9,7 @@ clearly above zero, clearly below the ceiling, so RL has something to improve.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -112,8 +113,16 @@ def make_policy(cfg: PolicyConfig, out_dir: str, seed: int = 0, spec: SyntheticS
     tokenizer = build_tokenizer([ALPHABET])
     model = build_model(cfg, len(tokenizer), tokenizer, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = 50
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    # Linear warm-up, then cosine decay to 5% over the step budget: the low-lr tail is what
+    # turns a policy that is roughly right into one whose temperature-1 chains come out exact.
+    warmup, total = 50, max(cfg.sft_steps, 51)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     probe_rng = random.Random(seed + 99)
     probe = [make_problem(probe_rng, spec) for _ in range(probe_size)]  # probe_size=0: no probe
     t0, tokens, acc, loss_val, step = time.time(), 0, 0.0, float("nan"), 0
