@@ -7,7 +7,8 @@ wall time; busy fractions come from the stage timeline over the same window.
 
 Pipeline efficiency (per mode) = the step time of a perfect overlap / the measured step time,
 where the perfect overlap is ``max(generation alone, training alone)`` on the disaggregated
-resources, each *measured* in disagg-batch mode (there the stages never overlap, so its
+resources (training = optimizer steps + per-sample reference/critic work), each *measured* in
+disagg-batch mode (there the stages never overlap, so its
 generation and training times are the stages alone). The disaggregated modes all use the same
 resources (trainer: ``trainer.threads`` CPUs; SGS: ``num_instances x threads_per_instance``);
 colocated gives both stages all ``cluster.num_cpus`` CPUs, and uses the same
@@ -73,7 +74,9 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path) -> dict:
     mean = lambda k: float(np.mean([m[k] for m in per_iter if k in m])) if any(k in m for m in per_iter) else float("nan")  # noqa: E731
     return {"mode": cfg.mode, "samples_per_s": samples_n / wall, "tokens_per_s": tokens_n / wall,
             "step_s": wall / iterations, "gen_busy": gen_busy, "train_busy": train_busy,
-            "gen_s": mean("time/gen_s"), "train_s": mean("time/train_s"),
+            "gen_s": mean("time/gen_s"),
+            # the trainer's whole stage: optimizer steps plus per-sample work (ref/critic forwards)
+            "train_s": mean("time/train_s") + (mean("time/prepare_s") if cfg.mode != "colocated" else 0.0),
             "reward_mean": mean("reward/mean"), "gantt": str(png)}
 
 

@@ -121,7 +121,6 @@ class DisaggPipeline:
         requests = self.ctx.builder.build(prompts, iteration)
         expected = len({r.prompt_id for r in requests})
         samples, groups_open, last_ref = [], {}, None
-        first_arrival = None
         if self.mode == "disagg-batch":
             completions = list(self.sgs.generate(requests))
             samples = [self.ctx.scorer.score(c, iteration) for c in completions]
@@ -134,6 +133,11 @@ class DisaggPipeline:
             n = self.cfg.generation.n_samples if self.cfg.trainer.algo == "grpo" else 1
             if n == 1:
                 expected = len(requests)
+            # Finished groups wait in ``outbox`` while the trainer is busy and go in one call
+            # as soon as it is free: one sample at a time when the trainer keeps up, batched
+            # per-sample work (one forward for many samples) when it does not. Order is kept,
+            # so the dynamic-batch cut (and the update) is the same either way.
+            outbox: list[list] = []
             for c in self.sgs.generate(requests):
                 s = self.ctx.scorer.score(c, iteration)
                 samples.append(s)
@@ -143,8 +147,12 @@ class DisaggPipeline:
                 if len(group) == n:
                     del groups_open[key]
                     group.sort(key=lambda x: x.sample_idx)
-                    last_ref = self.trainer.add_groups.remote(iteration, [group], expected)
-                    first_arrival = first_arrival or time.time()
+                    outbox.append(group)
+                if outbox and (last_ref is None or not ray.wait([last_ref], timeout=0)[1]):
+                    last_ref = self.trainer.add_groups.remote(iteration, outbox, expected)
+                    outbox = []
+            if outbox:
+                last_ref = self.trainer.add_groups.remote(iteration, outbox, expected)
         gen_end = time.time()
         self.pending[iteration] = last_ref
         for c in (s.completion for s in samples):
