@@ -165,14 +165,17 @@ class DisaggPipeline:
             self.sgs.update(res["handle"], res["version"])
             metrics.update(res["metrics"])
         else:
-            done = [it for it in list(self.pending) if it < iteration]
-            for it in done:
-                self._result(it)
+            # Never block here: the trainer may still be on iteration - 1 (that is the overlap).
+            for it in [it for it, ref in self.pending.items() if it < iteration]:
+                if ray.wait([self.pending[it]], timeout=0)[0]:
+                    self._result(it)
             if iteration - 1 in self.results:
                 metrics.update(self.results[iteration - 1]["metrics"])
         metrics["time/step_s"] = time.time() - (self._last_step_end or t0)
         self._last_step_end = time.time()
-        self._collect_events()
+        # Instance events only: a call to the trainer actor would queue behind its training
+        # work and turn the asynchronous pipeline back into a synchronous one.
+        self._collect_events(trainer=self.mode != "stream-async")
         return samples, metrics
 
     def finish(self) -> None:
@@ -185,10 +188,10 @@ class DisaggPipeline:
                 self.sgs.update(last["handle"], last["version"])
         self._collect_events()
 
-    def _collect_events(self) -> None:
+    def _collect_events(self, trainer: bool = True) -> None:
         from streamrl.metrics.timeline import Event
 
-        evs = ray.get(self.trainer.drain_events.remote()) + self.sgs.drain_events()
+        evs = (ray.get(self.trainer.drain_events.remote()) if trainer else []) + self.sgs.drain_events()
         self.timeline.extend(Event(who, what, it, v, s, e) for who, what, it, v, s, e in evs)
 
     def trained_ids(self) -> list[str]:
