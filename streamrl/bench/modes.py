@@ -40,6 +40,7 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path) -> dict:
     stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
     per_iter, t_start = [], None
     samples_n = tokens_n = 0
+    lengths: list[int] = []
     try:
         for it in range(warmup + iterations):
             if it == warmup:
@@ -51,6 +52,7 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path) -> dict:
             if it >= warmup:
                 samples_n += len(samples)
                 tokens_n += sum(s.num_response_tokens for s in samples)
+                lengths.extend(s.num_response_tokens for s in samples)
                 per_iter.append(metrics)
         pipe.finish()
         wall = time.time() - t_start
@@ -77,7 +79,8 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path) -> dict:
             "gen_s": mean("time/gen_s"),
             # the trainer's whole stage: optimizer steps plus per-sample work (ref/critic forwards)
             "train_s": mean("time/train_s") + (mean("time/prepare_s") if cfg.mode != "colocated" else 0.0),
-            "reward_mean": mean("reward/mean"), "gantt": str(png)}
+            "reward_mean": mean("reward/mean"), "gantt": str(png),
+            "response_lengths": lengths}
 
 
 def thread_scaling(cfg: Config) -> list[dict]:
