@@ -191,5 +191,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config_from_dict(tree)
 
 
+def split_cli_config(config: str | None, overrides: list[str] | tuple[str, ...],
+                     default: str | None = None) -> tuple[str | None, list[str]]:
+    """A command's ``[CONFIG] [overrides...]`` positionals: a first positional that looks like an
+    override (``key=value``) is one, and ``default`` is the config file then."""
+    overrides = list(overrides)
+    if config is not None and "=" in config:
+        config, overrides = default, [config] + overrides
+    return (config if config is not None else default), overrides
+
+
+def load_cli_config(config: str | None, overrides: list[str] | tuple[str, ...], default: str | None = None) -> Config:
+    """``load_config`` on ``split_cli_config``'s result."""
+    return load_config(*split_cli_config(config, overrides, default))
+
+
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

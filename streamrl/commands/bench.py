@@ -21,12 +21,9 @@ def register(sub) -> None:
 def run_modes(args) -> int:
     from pathlib import Path
 
-    from streamrl.config import load_config
+    from streamrl.config import load_cli_config
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # an override in the config slot: keep the default file
-        config, overrides = "configs/bench.yaml", [config] + overrides
-    cfg = load_config(config, overrides)
+    cfg = load_cli_config(args.config, args.overrides, default="configs/bench.yaml")
     import logging
 
     logging.basicConfig(level=logging.WARNING)

@@ -13,12 +13,9 @@ def run(args) -> int:
     import shutil
     from pathlib import Path
 
-    from streamrl.config import load_config
+    from streamrl.config import load_cli_config
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
-        config, overrides = None, [config] + overrides
-    cfg = load_config(config, overrides)
+    cfg = load_cli_config(args.config, args.overrides)
     path = Path(cfg.policy.path)
     if (path / "config.json").is_file() and not args.force:
         print(f"policy already at {path} (use --force to rebuild)")

@@ -12,13 +12,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from streamrl.config import load_config
+    from streamrl.config import load_cli_config
 
-    # A positional that looks like an override is one (e.g. `streamrl train run.iterations=5`).
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
-        config, overrides = None, [config] + overrides
-    cfg = load_config(config, overrides)  # fails before any work on a bad key or value
+    cfg = load_cli_config(args.config, args.overrides)  # fails before any work on a bad key or value
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

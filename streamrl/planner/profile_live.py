@@ -113,34 +113,19 @@ def generate_samples(cfg: Config, model, tokenizer, task, threads: int) -> tuple
     return samples, gen_s
 
 
-def _step_batches(groups: list[list], step_tokens: int) -> list[list[list]]:
-    """Groups cut into optimizer-step batches of >= ``step_tokens`` tokens (``trainer.dynamic_batches``'s rule)."""
-    def tokens(g):
-        return sum(len(s.completion.prompt_ids) + len(s.completion.output_ids) for s in g)
-
-    if step_tokens <= 0:
-        return [groups]
-    out, cur, n = [], [], 0
-    for g in groups:
-        cur.append(g)
-        n += tokens(g)
-        if n >= step_tokens:
-            out.append(cur)
-            cur, n = [], 0
-    if cur:
-        out.append(cur)
-    return out
+def _sample_group_tokens(group: list) -> int:
+    return sum(len(s.completion.prompt_ids) + len(s.completion.output_ids) for s in group)
 
 
 def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3) -> dict[str, float]:
     """Trainer tokens/s at ``threads`` threads: prepare + ``train_step`` on real samples."""
     from streamrl.controller.common import group_samples
-    from streamrl.trainer.trainer import Trainer
+    from streamrl.trainer.trainer import Trainer, dynamic_batches
 
     tcfg = cfg.model_copy(deep=True)
     tcfg.trainer.threads = threads
     tr = Trainer(tcfg)
-    batches = _step_batches(group_samples(samples), cfg.trainer.step_tokens)
+    batches = dynamic_batches(group_samples(samples), cfg.trainer.step_tokens, tokens=_sample_group_tokens)
 
     def one_step(batch: list[list]) -> tuple[float, float, int]:
         tr.begin_iteration()
@@ -242,13 +227,11 @@ def run_profile(args) -> int:
     """Handler of ``streamrl profile``."""
     import sys
 
-    from streamrl.config import load_config
+    from streamrl.config import load_config, split_cli_config
     from streamrl.metrics.report import print_table, write_json
     from streamrl.policies.latency import latency_from_dict
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # an override in CONFIG's place: keep the bench workload
-        config, overrides = DEFAULT_CONFIG, [config] + overrides
+    config, overrides = split_cli_config(args.config, args.overrides, default=DEFAULT_CONFIG)
     cfg = load_config(config, overrides)
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]

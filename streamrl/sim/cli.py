@@ -109,14 +109,11 @@ def run_modes(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from streamrl.config import load_config
+    from streamrl.config import load_cli_config
     from streamrl.planner.profile_live import DEFAULT_CONFIG
     from streamrl.sim import live
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # an override in CONFIG's place: keep the bench workload
-        config, overrides = DEFAULT_CONFIG, [config] + overrides
-    cfg = load_config(config, overrides)
+    cfg = load_cli_config(args.config, args.overrides, default=DEFAULT_CONFIG)
     try:
         profile = json.loads(Path(args.profile).read_text())
     except FileNotFoundError:

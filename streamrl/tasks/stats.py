@@ -49,9 +49,7 @@ def check_criteria(figures: dict[str, float]) -> dict[str, bool]:
 
 
 def sample_policy(cfg, prompts, samples_per_prompt: int, threads: int = 2):
-    """Generate with the configured engine in this process; returns (prompt_lens, completions)."""
-    import copy
-
+    """Generate with the configured engine in this process; returns (completions, tokenizer)."""
     from streamrl.controller.colocated import engine_kwargs, run_to_completion
     from streamrl.controller.common import RequestBuilder
     from streamrl.models.tiny import load_policy
@@ -71,15 +69,12 @@ def sample_policy(cfg, prompts, samples_per_prompt: int, threads: int = 2):
 
 
 def run(args) -> int:
-    from streamrl.config import load_config
+    from streamrl.config import load_cli_config
     from streamrl.controller.common import make_task
     from streamrl.controller.driver import ensure_policy
     from streamrl.metrics.report import print_table, write_json
 
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
-        config, overrides = None, [config] + overrides
-    cfg = load_config(config, overrides)
+    cfg = load_cli_config(args.config, args.overrides)
     ensure_policy(cfg)
     task = make_task(cfg)
     prompts = task.train_prompts()[: args.prompts]

@@ -307,19 +307,20 @@ def group_tokens(group: list[Prepared]) -> int:
     return sum(p.num_tokens for p in group)
 
 
-def dynamic_batches(groups: list[list[Prepared]], step_tokens: int) -> list[list[list[Prepared]]]:
+def dynamic_batches(groups: list[list], step_tokens: int, tokens=group_tokens) -> list[list[list]]:
     """Cut groups, in the given (completion) order, into optimizer-step batches: a batch closes as
-    soon as its groups hold ``step_tokens`` tokens; the remainder forms the last batch.
-    ``step_tokens == 0`` gives one batch. Stream-sync applies the same rule online."""
+    soon as its groups hold ``step_tokens`` tokens (``tokens(group)`` counts them; default:
+    ``Prepared`` groups); the remainder forms the last batch. ``step_tokens == 0`` gives one
+    batch. Stream-sync applies the same rule online."""
     if step_tokens <= 0:
         return [list(groups)] if groups else []
-    out, cur, tokens = [], [], 0
+    out, cur, total = [], [], 0
     for g in groups:
         cur.append(g)
-        tokens += group_tokens(g)
-        if tokens >= step_tokens:
+        total += tokens(g)
+        if total >= step_tokens:
             out.append(cur)
-            cur, tokens = [], 0
+            cur, total = [], 0
     if cur:
         out.append(cur)
     return out
