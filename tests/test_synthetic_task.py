@@ -5,7 +5,7 @@ import random
 import pytest
 
 from streamrl.tasks.stats import check_criteria, length_figures, spearman
-from streamrl.tasks.synthetic import SyntheticTask, make_problem, solve
+from streamrl.tasks.synthetic import SyntheticSpec, SyntheticTask, make_problem, solve
 
 
 def test_generated_solutions_match_the_solver():
@@ -16,9 +16,34 @@ def test_generated_solutions_match_the_solver():
 
 
 def test_hand_worked_examples():
-    assert solve("D 23,20:") == ("22 21 20 =20", "20")
-    assert solve("U 5,3,10:") == ("8 11 =11", "11")
-    assert solve("S 4819:") == ("4 2 3 2 =2", "2")
+    assert solve("U 194,3:") == ("197 200 =200", "200")
+    assert solve("U 95,1:") == ("96 97 98 99 100 =100", "100")
+    assert solve("U 300,50:") == ("350 400 =400", "400")  # from a hundred, up to the next one
+    assert solve("D 203,2:") == ("201 199 =199", "199")
+    assert solve("D 900,1:") == ("899 =899", "899")
+    assert solve("D 1000,3:") == ("997 =997", "997")
+
+
+@pytest.mark.parametrize("bad", ["X 12,3:", "U 12:", "U a,b:", "D 99,1:", "U 5,0:", ""])
+def test_malformed_prompts_are_rejected_naming_the_prompt(bad):
+    with pytest.raises(ValueError, match="synthetic"):
+        solve(bad)
+
+
+def test_step_counts_cover_the_configured_range_and_each_chain_stays_inside_one_hundred():
+    rng = random.Random(2)
+    spec = SyntheticSpec(max_steps=40)
+    steps = []
+    for _ in range(3000):
+        prompt, solution, _ = make_problem(rng, spec)
+        values = [int(v) for v in solution.split(" =")[0].split()]
+        a = int(prompt[2:].split(",")[0])
+        assert {v // 100 for v in values[:-1]} <= {a // 100}  # all but the last stay in a's hundred
+        assert values[-1] // 100 != a // 100
+        steps.append(len(values))
+    assert min(steps) == 1 and max(steps) == 40
+    with pytest.raises(ValueError, match="max_steps"):
+        SyntheticSpec(max_steps=101)
 
 
 def test_reward_requires_the_whole_chain():
@@ -55,12 +80,12 @@ def test_partial_credit_rewards_a_correct_prefix_but_never_as_much_as_the_soluti
     from streamrl.types import Prompt
 
     task = SyntheticTask(num_train=1, num_eval=1, partial_credit=0.5)
-    p = Prompt(prompt_id="x", text="D 23,20:", answer="20", meta={"solution": "22 21 20 =20"})
-    assert task.reward(p, "22 21 20 =20") == 1.0
-    assert task.reward(p, "22 21 =21") == pytest.approx(0.5 * 2 / 4)
-    assert task.reward(p, "22 19 20 =20") == pytest.approx(0.5 * 1 / 4)
-    assert task.reward(p, "=20") == 0.0
-    assert max(task.reward(p, r) for r in ["22 21 20", "22 21 20 =19", "22 21 20 19 =19"]) < 1.0
-    assert task.reward(p, "22 21 20 19 18 17 =17") == pytest.approx(0.5 * 3 / 7)  # overshoot costs credit
+    p = Prompt(prompt_id="x", text="D 203,1:", answer="199", meta={"solution": "202 201 200 199 =199"})
+    assert task.reward(p, "202 201 200 199 =199") == 1.0
+    assert task.reward(p, "202 201 =201") == pytest.approx(0.5 * 2 / 5)
+    assert task.reward(p, "202 209 200 199 =199") == pytest.approx(0.5 * 1 / 5)
+    assert task.reward(p, "=199") == 0.0
+    assert max(task.reward(p, r) for r in ["202 201 200 199", "202 201 200 199 =198", "202 201 200 199 198 =198"]) < 1.0
+    assert task.reward(p, "202 201 200 199 198 197 =197") == pytest.approx(0.5 * 4 / 7)  # overshoot costs credit
     with pytest.raises(ValueError, match="partial_credit"):
         SyntheticTask(num_train=1, num_eval=1, partial_credit=1.0)

@@ -1,27 +1,31 @@
 """The synthetic long-tail task: the default workload of the CPU demo and benchmarks.
 
-Each prompt asks for a chain of simple steps whose *number* is drawn log-uniformly, so correct
-responses range from a handful of characters to a couple of hundred, with a heavy tail like
-reasoning traces. Three sub-tasks, all verifiable:
+Each prompt asks for a chain of simple steps whose *number* is drawn log-uniformly (1 to
+``max_steps``), so correct responses range from a handful of characters to a couple of hundred,
+with a heavy tail like reasoning traces. Two sub-tasks, both verifiable:
 
-- ``D a,c:`` count down by one from ``a - 1`` to ``c``, writing each value; the answer is ``c``.
-  Steps = ``a - c``.
-- ``U a,s,b:`` count up: add ``s`` to ``a`` until the value exceeds ``b``; the answer is that
-  first value above ``b``. Steps = ``(b - a) // s + 1``.
-- ``S d1d2...dk:`` running digit sum modulo 10: write the running total (mod 10) after each
-  digit; the answer is the last one. Steps = ``k``.
+- ``U a,s:`` count up from ``a`` in steps of ``s`` until the value reaches the next multiple of
+  100 (the first value ``>= 100 * (a // 100 + 1)``); the answer is that value.
+- ``D a,s:`` count down from ``a`` (``a >= 100``) in steps of ``s`` until the value falls below
+  the multiple of 100 at or under ``a`` (the first value ``< 100 * (a // 100)``); the answer is
+  that value.
 
-A response is the chain followed by ``=answer`` (e.g. ``"S 4819:"`` -> ``"4 2 3 2 =2"``). The reward
-is 1 when the whole worked chain and the answer are right ("show your work"), else 0. Checking
-the chain, not only the answer, matters: a policy rewarded for the answer alone learns to guess
-short answers to long problems (the answer of ``U`` is within ``s`` of ``b``), and the long tail
-the later benchmarks need collapses. Optional ``partial_credit`` (``task.partial_credit``) adds a
-shaped term for a correct prefix of the chain, strictly below the exact solution's 1.0: without
-it, GRPO sees no signal on long prompts (every sample wrong) and learns from short prompts to
-write ``=`` early, which shortens long responses too. For the count tasks the
-response length is not a function of the prompt length (``D 412,409:`` is a short chain, ``D 412,370:`` a
-long one), so predicting length is a real ranking problem; for the digit
-sum it is. Mixed, prompt and response lengths correlate only moderately (``streamrl task stats``).
+A response is the chain followed by ``=answer`` (e.g. ``"U 194,3:"`` -> ``"197 200 =200"``). The
+reward is 1 when the whole worked chain and the answer are right ("show your work"), else 0.
+Checking the chain, not only the answer, matters: a policy rewarded for the answer alone learns to
+guess (the answer is within ``s`` of a multiple of 100) and the long tail the later benchmarks need
+collapses. Optional ``partial_credit`` (``task.partial_credit``) adds a shaped term for a correct
+prefix of the chain, strictly below the exact solution's 1.0.
+
+Why this shape: every decision the policy makes is *local*: the next value is the previous one
+plus or minus a one-digit step, and the chain stops when the hundreds digit changes. A tiny
+character-level model learns such rules in minutes of SFT, so RL starts from a policy that is
+often right on short chains and often wrong on long ones, which is where GRPO has signal. (An
+earlier version asked to count down *to a number given in the prompt*; a 1 M-parameter model
+could not learn to compare against it in a CPU budget, overshot the stop, and RL had nothing to
+improve.) The number of steps depends on the last two digits of ``a`` and on ``s``, not on the
+prompt's length (every prompt is 6 to 8 characters), so predicting the response length is a real
+ranking problem: ``streamrl task stats`` reports Spearman(prompt tokens, response tokens) near 0.
 
 The policy is character-level, so one character is one token.
 """
@@ -35,8 +39,8 @@ from dataclasses import dataclass
 from streamrl.tasks.base import Task
 from streamrl.types import Prompt
 
-SUBTASKS = ("D", "U", "S")
-ALPHABET = "0123456789DUS,:= "
+SUBTASKS = ("D", "U")
+ALPHABET = "0123456789DU,:= "
 
 
 @dataclass(frozen=True)
@@ -44,41 +48,54 @@ class SyntheticSpec:
     """Knobs of the generator; the defaults meet the long-tail criteria with the tiny policy."""
 
     min_steps: int = 1
-    max_steps: int = 48
-    """Step counts are log-uniform on [min_steps, max_steps]."""
+    max_steps: int = 56
+    """Step counts are log-uniform on [min_steps, max_steps]; a chain stays inside one hundred,
+    so at most 100 steps (step size 1)."""
     max_step_size: int = 3
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_steps <= self.max_steps <= 100:
+            raise ValueError(f"synthetic steps need 1 <= min_steps <= max_steps <= 100, "
+                             f"got min_steps={self.min_steps}, max_steps={self.max_steps}")
+        if not 1 <= self.max_step_size <= 9:
+            raise ValueError(f"synthetic max_step_size={self.max_step_size} must be in 1..9")
 
 
 def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
     return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
 
 
+def _chain(kind: str, a: int, s: int) -> list[int]:
+    """The worked values of ``kind`` (``U`` or ``D``) from ``a`` in steps of ``s``."""
+    if kind == "U":
+        top, values, v = 100 * (a // 100 + 1), [], a
+        while v < top:
+            v += s
+            values.append(v)
+        return values
+    low, values, v = 100 * (a // 100), [], a
+    while v >= low:
+        v -= s
+        values.append(v)
+    return values
+
+
 def make_problem(rng: random.Random, spec: SyntheticSpec = SyntheticSpec()) -> tuple[str, str, str]:
-    """Return ``(prompt_text, solution_text, answer)`` for one random problem."""
+    """Return ``(prompt_text, solution_text, answer)`` for one random problem whose number of
+    steps is drawn log-uniformly from ``[spec.min_steps, spec.max_steps]``."""
     kind = rng.choice(SUBTASKS)
     steps = _log_uniform_int(rng, spec.min_steps, spec.max_steps)
-    if kind == "D":
-        c = rng.randint(0, 400)
-        a = c + steps
-        values = list(range(a - 1, c - 1, -1))
-        prompt = f"D {a},{c}:"
-    elif kind == "U":
-        s = rng.randint(1, spec.max_step_size)
-        a = rng.randint(0, 400)
-        b = a + (steps - 1) * s + rng.randint(0, s - 1)
-        values = list(range(a + s, b + s + 1, s))
-        values = [v for v in values if v <= b] + [next(v for v in values if v > b)]
-        prompt = f"U {a},{s},{b}:"
+    # A chain stays inside one hundred, so a step size is possible only if the steps fit in it.
+    s = rng.choice([x for x in range(1, spec.max_step_size + 1) if (steps - 1) * x <= 99])
+    if kind == "U":
+        # ceil(d / s) == steps for a distance d to the next hundred.
+        a = 100 * rng.randint(1, 10) - rng.randint((steps - 1) * s + 1, min(steps * s, 100))
     else:
-        digits = [rng.randint(0, 9) for _ in range(steps)]
-        total, values = 0, []
-        for d in digits:
-            total = (total + d) % 10
-            values.append(total)
-        prompt = "S " + "".join(map(str, digits)) + ":"
+        # floor(e / s) + 1 == steps for an offset e above the hundred below.
+        a = 100 * rng.randint(1, 9) + rng.randint((steps - 1) * s, min(steps * s - 1, 99))
+    values = _chain(kind, a, s)
     answer = str(values[-1])
-    solution = " ".join(map(str, values)) + " =" + answer
-    return prompt, solution, answer
+    return f"{kind} {a},{s}:", " ".join(map(str, values)) + " =" + answer, answer
 
 
 def extract_answer(response: str) -> str | None:
@@ -90,23 +107,16 @@ def extract_answer(response: str) -> str | None:
 
 def solve(prompt_text: str) -> tuple[str, str]:
     """Recompute ``(solution, answer)`` from a prompt text (used to verify and to build SFT data)."""
-    kind, body = prompt_text[0], prompt_text[2:].rstrip(":")
-    if kind == "D":
-        a, c = map(int, body.split(","))
-        values = list(range(a - 1, c - 1, -1)) or [a]
-    elif kind == "U":
-        a, s, b = map(int, body.split(","))
-        values, v = [], a
-        while v <= b:
-            v += s
-            values.append(v)
-    elif kind == "S":
-        total, values = 0, []
-        for ch in body:
-            total = (total + int(ch)) % 10
-            values.append(total)
-    else:
+    kind, body = prompt_text[:1], prompt_text[2:].rstrip(":")
+    if kind not in SUBTASKS:
         raise ValueError(f"unknown synthetic sub-task {kind!r} in prompt {prompt_text!r}")
+    try:
+        a, s = map(int, body.split(","))
+    except ValueError:
+        raise ValueError(f"malformed synthetic prompt {prompt_text!r}: want '{kind} a,s:'") from None
+    if s < 1 or a < 0 or (kind == "D" and a < 100):
+        raise ValueError(f"synthetic prompt {prompt_text!r} out of range: s >= 1, a >= 0 (a >= 100 for D)")
+    values = _chain(kind, a, s)
     answer = str(values[-1])
     return " ".join(map(str, values)) + " =" + answer, answer
 
