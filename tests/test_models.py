@@ -1,5 +1,6 @@
 """Tiny policy: tokenizer and model save and reload offline, bit-identical."""
 
+import pytest
 import torch
 
 from streamrl.config import PolicyConfig
@@ -36,3 +37,25 @@ def test_missing_policy_dir_fails_clearly(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="make-policy"):
         load_policy(tmp_path / "nope")
+
+
+def test_a_policy_built_for_another_synthetic_task_version_is_stale(tmp_path):
+    import json
+
+    from streamrl.models.sft import POLICY_MARKER, policy_is_stale
+    from streamrl.tasks.synthetic import TASK_VERSION
+
+    assert not policy_is_stale(tmp_path)  # no marker: a user's checkpoint, used as is
+    (tmp_path / POLICY_MARKER).write_text(json.dumps({"synthetic_task_version": TASK_VERSION}))
+    assert not policy_is_stale(tmp_path)
+    (tmp_path / POLICY_MARKER).write_text(json.dumps({"synthetic_task_version": TASK_VERSION - 1}))
+    assert policy_is_stale(tmp_path)
+
+
+def test_reward_trend_summarises_a_noisy_rising_curve():
+    from streamrl.controller.driver import reward_trend
+
+    t = reward_trend([0.2, 0.5, 0.3, 0.4, 0.6, 0.5, 0.7, 0.5, 0.8])
+    assert t["first_third_mean"] == pytest.approx(1.0 / 3) and t["last_third_mean"] == pytest.approx(2.0 / 3)
+    assert t["slope_per_iter"] > 0
+    assert reward_trend([0.5, 0.4]) == {}

@@ -27,7 +27,15 @@ def run(args) -> int:
     for key in ("eval/accuracy", "eval/resp_len/p50", "eval/resp_len/p99", "eval/resp_len/max"):
         rows.append({"metric": key, "before": before.get(key, float("nan")), "after": after.get(key, float("nan")),
                      "delta": after.get(key, float("nan")) - before.get(key, float("nan"))})
+    trend = summary.get("reward_trend", {})
+    for key in ("first_third_mean", "last_third_mean"):
+        if key in trend:
+            rows.append({"metric": f"train/reward {key.replace('_', ' ')}", "before": float("nan"), "after": trend[key],
+                         "delta": float("nan")})
     print_table(f"held-out evaluation ({cfg.task.num_eval} prompts x {cfg.run.eval_samples} samples), "
                 f"{cfg.run.iterations} iterations, mode {cfg.mode}", rows, ["metric", "before", "after", "delta"])
+    if "slope_per_iter" in trend:
+        print(f"training reward: {trend['first_third_mean']:.3f} over the first third of the iterations, "
+              f"{trend['last_third_mean']:.3f} over the last third (least-squares slope {trend['slope_per_iter']:+.4f}/iteration)")
     write_json(args.out, {"rows": rows, "summary": summary})
     return 0

@@ -41,9 +41,16 @@ def init_ray(cfg: Config) -> None:
 
 
 def ensure_policy(cfg: Config, echo=print) -> None:
-    """Build the tiny policy (tokenizer, model, SFT warm start) if it is not on disk yet."""
-    if (Path(cfg.policy.path) / "config.json").is_file():
-        return
+    """Build the tiny policy (tokenizer, model, SFT warm start) if it is not on disk yet, or if the
+    one on disk was built by streamrl for an older version of the synthetic task (its
+    ``streamrl_policy.json`` says so). A checkpoint without that file is the user's: used as is."""
+    from streamrl.models.sft import POLICY_MARKER, policy_is_stale
+
+    path = Path(cfg.policy.path)
+    if (path / "config.json").is_file():
+        if not policy_is_stale(path):
+            return
+        echo(f"the policy at {path} was built for an older synthetic task ({POLICY_MARKER}); rebuilding it")
     if not cfg.policy.make_if_missing:
         raise FileNotFoundError(f"policy.path={cfg.policy.path!r} holds no checkpoint and policy.make_if_missing is false")
     from streamrl.models.sft import make_policy
@@ -144,14 +151,28 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
     after = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "after")
     logger.log(cfg.run.iterations + 1, after, echo=False)
     pipeline.save(str(ckpt), {"iteration": cfg.run.iterations - 1, "stream": stream.state()})
+    rewards = [h["reward/mean"] for h in logger.history if "reward/mean" in h]
     summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
-               "rewards": [h.get("reward/mean") for h in logger.history if "reward/mean" in h],
+               "rewards": rewards, "reward_trend": reward_trend(rewards),
                "oversized_prompts": ctx.builder.oversized}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pipeline.shutdown()
     ctx.reward_runner.close()
     logger.close()
     return summary
+
+
+def reward_trend(rewards: list[float]) -> dict[str, float]:
+    """How the per-iteration training reward moved: means of the first and last thirds of the
+    iterations and the least-squares slope per iteration (one batch of prompts is noisy; these
+    are not)."""
+    if len(rewards) < 3:
+        return {}
+    r = np.asarray(rewards, dtype=float)
+    third = len(r) // 3
+    slope = float(np.polyfit(np.arange(len(r)), r, 1)[0])
+    return {"first_third_mean": float(r[:third].mean()), "last_third_mean": float(r[-third:].mean()),
+            "slope_per_iter": slope}
 
 
 def _sample_metrics(samples) -> dict[str, float]:

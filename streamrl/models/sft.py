@@ -8,19 +8,33 @@ clearly above zero, clearly below the ceiling, so RL has something to improve.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from streamrl.config import PolicyConfig
 from streamrl.models.tiny import build_model, build_tokenizer, encode_prompt, save_policy
-from streamrl.tasks.synthetic import ALPHABET, SyntheticSpec, make_problem
+from streamrl.tasks.synthetic import ALPHABET, TASK_VERSION, SyntheticSpec, make_problem
 
 log = logging.getLogger(__name__)
+
+
+POLICY_MARKER = "streamrl_policy.json"
+"""Written beside a policy that ``make_policy`` built: the task version it was warm-started on."""
+
+
+def policy_is_stale(path: str | Path) -> bool:
+    """True when ``path`` holds a policy streamrl built for another synthetic task version."""
+    marker = Path(path) / POLICY_MARKER
+    if not marker.is_file():
+        return False
+    return json.loads(marker.read_text()).get("synthetic_task_version") != TASK_VERSION
 
 
 @dataclass
@@ -150,4 +164,7 @@ def make_policy(cfg: PolicyConfig, out_dir: str, seed: int = 0, spec: SyntheticS
                 break
     seconds = time.time() - t0
     save_policy(model, tokenizer, out_dir)
-    return SFTResult(steps=step, seconds=seconds, tokens_per_s=tokens / seconds, sampled_accuracy=acc, loss=loss_val)
+    result = SFTResult(steps=step, seconds=seconds, tokens_per_s=tokens / seconds, sampled_accuracy=acc, loss=loss_val)
+    (Path(out_dir) / POLICY_MARKER).write_text(json.dumps(
+        {"synthetic_task_version": TASK_VERSION, "seed": seed, "sft": asdict(result)}, indent=2))
+    return result

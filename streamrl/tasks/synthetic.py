@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from streamrl.tasks.base import Task
 from streamrl.types import Prompt
 
+TASK_VERSION = 2
+"""Bumped whenever the prompts or solutions change; a policy warm-started on another version is rebuilt."""
 SUBTASKS = ("D", "U")
 ALPHABET = "0123456789DU,:= "
 
