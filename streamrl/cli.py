@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "streamrl.commands.sim",
     "streamrl.commands.plan",
     "streamrl.commands.profile",
+    "streamrl.commands.compare",
 )
 
 
