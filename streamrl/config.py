@@ -87,12 +87,30 @@ class GenerationConfig(_Section):
     prompts_per_iter: int = Field(16, ge=1)
     num_instances: int = Field(1, ge=1)
     dispatch: str = Field("round-robin", description="dispatch policy: random | round-robin | least-loaded | skewness-aware")
+    order: Literal["fifo", "lpt"] = Field("fifo", description="admission order inside an instance: arrival, or "
+                                          "longest predicted first (needs the ranker)")
+    latency_profile: str | None = Field(None, description="PTL profile JSON (`streamrl profile`) read by skewness-aware "
+                                        "dispatch and rebalancing; None = the paper's H800 table")
+    skew_alpha: float = Field(0.2, gt=0, lt=1, description="skewness-aware dispatch: long-tail fraction")
+    rebalance: bool = Field(False, description="move not-yet-started requests off an instance whose predicted "
+                            "remaining work exceeds the least loaded one's (beyond the paper)")
+    rebalance_threshold: float = Field(0.25, ge=0, lt=1, description="rebalance when (T_max - T_min) > this x T_max")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per instance, e.g. {H20: 1}")
     threads_per_instance: int = Field(1, ge=1)
     max_batch_tokens: int = Field(1024, ge=16)
     max_requests_per_batch: int = Field(64, ge=1)
     num_blocks: int = Field(512, ge=8)
     page_size: int = Field(32, ge=1)
+
+
+class RankerConfig(_Section):
+    """Output-length ranker used by the SGS when dispatch or order needs predicted lengths."""
+
+    name: str = Field("blend", description="learned | history | blend | prompt-length | none (equal predictions)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor arguments of the ranker")
+    fit_file: str | None = Field(None, description="JSONL of {key, text, length} records to fit on before the "
+                                 "first iteration; None = cold start, fitted on the first finished batch")
+    refresh: bool = Field(True, description="update from finished generations each iteration, in the background")
 
 
 class TrainerConfig(_Section):
@@ -128,6 +146,7 @@ class Config(_Section):
     task: TaskConfig = TaskConfig()
     generation: GenerationConfig = GenerationConfig()
     trainer: TrainerConfig = TrainerConfig()
+    ranker: RankerConfig = RankerConfig()
     logging: LoggingConfig = LoggingConfig()
 
 

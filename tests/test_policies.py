@@ -133,3 +133,87 @@ def test_elastic_smoothing_ignores_one_spike():
     rule = ElasticRule(max_instances=10, smoothing=0.9)
     assert rule.decide(2, 100, 100, 90) == 0
     assert rule.decide(2, 130, 100, 120) == 0  # smoothed delta 3 < 10
+
+
+def test_lpt_priorities_reproduce_the_lpt_order_and_fifo_ties_everything():
+    lengths = [3, 9, 3, 7]
+    prio = make_order_policy("lpt").priorities(lengths)
+    # an engine admitting larger priority first, ties in arrival order, follows order() exactly
+    assert sorted(range(4), key=lambda i: (-prio[i], i)) == make_order_policy("lpt").order(lengths)
+    assert make_order_policy("fifo").priorities(lengths) == [0.0] * 4
+    with pytest.raises(ValueError, match="nan"):
+        make_order_policy("lpt").priorities([1.0, float("nan")])
+
+
+def test_lpt_admission_finishes_sooner_than_fifo_on_two_slots():
+    # two batch slots, jobs 2,2,4 (time units): FIFO runs 2|2 then 4 -> makespan 6; LPT 4|2,2 -> 4.
+    def makespan(order, lengths, slots=2):
+        free = [0.0] * slots
+        for i in order:
+            k = free.index(min(free))
+            free[k] += lengths[i]
+        return max(free)
+
+    lengths = [2, 2, 4]
+    assert makespan(make_order_policy("fifo").order(lengths), lengths) == 6
+    assert makespan(make_order_policy("lpt").order(lengths), lengths) == 4
+
+
+def test_skewness_aware_uses_history_quantiles_not_the_predictions():
+    # 5 requests, alpha 0.2 -> 1 long. History P90 = 1000, P50 = 10 (FLAT 10 ms/token, BS 1), 3 instances:
+    # k=1: long 1 x 1000 x 0.01 = 10.0 s, regular ceil(4/2) x 10 x 0.01 = 0.2 -> 10.0
+    # k=2: long 10.0, regular 4 x 0.1 = 0.4 -> 10.0; tie -> k=1 kept.
+    # From the predictions instead (P90 of [1..5] = 4.6) the long pool would be 0.046 s.
+    history = [10] * 9 + [1000] * 2
+    policy = make_dispatch_policy("skewness-aware", latency=FLAT, max_batch_size=1, history=history)
+    out = policy.assign([1, 5, 2, 4, 3], 3)
+    assert policy.last_split.long_instances == 1
+    assert policy.last_split.long_latency_s == pytest.approx(10.0)
+    assert policy.last_split.regular_latency_s == pytest.approx(0.2)
+    assert out[1] == 0 and all(k >= 1 for i, k in enumerate(out) if i != 1)  # the longest predicted -> long pool
+    assert sorted(out[i] for i in (0, 2, 3, 4)) == [1, 1, 2, 2]  # regular pool balanced by predicted load
+
+
+def test_rebalance_moves_queued_requests_to_an_idle_instance_hand_worked():
+    from streamrl.policies.rebalance import plan_moves, remaining_time_s
+
+    # 10 ms/token, batch 2. a: 4 x 100 tokens (a1, a2 running; a3, a4 queued): T = 0.01*max(400/2, 100) = 2.0
+    assert remaining_time_s([100] * 4, FLAT, 2) == pytest.approx(2.0)
+    unfinished = {"a": [("a1", 100), ("a2", 100), ("a3", 100), ("a4", 100)], "b": []}
+    moves = plan_moves(unfinished, {"a": ["a3", "a4"]}, FLAT, max_batch_size=2, threshold=0.25)
+    # move a3: a 1.5, b 1.0 (gap 0.5 > 0.25*1.5); move a4: a 1.0, b 1.0 -> balanced
+    assert [(m.request_id, m.src, m.dst) for m in moves] == [("a3", "a", "b"), ("a4", "a", "b")]
+
+
+def test_rebalance_picks_the_move_that_most_shortens_the_makespan():
+    from streamrl.policies.rebalance import plan_moves
+
+    # a: running 50, 50; queued 120, 30, 30 -> T_a = 0.01*max(280/2, 120) = 1.4; b idle.
+    # moving 120: max(0.01*max(160/2, 50), 1.2) = 1.2; moving a 30: max(1.25, 0.3) = 1.25 -> 120 goes.
+    # then b (1.2) > a (0.8) by 0.4 > 0.3, but moving 120 back gives 1.4: stop.
+    unfinished = {"a": [("r1", 50), ("r2", 50), ("q1", 120), ("q2", 30), ("q3", 30)], "b": []}
+    moves = plan_moves(unfinished, {"a": ["q2", "q1", "q3"]}, FLAT, max_batch_size=2, threshold=0.25)
+    assert [(m.request_id, m.dst) for m in moves] == [("q1", "b")]
+
+
+def test_rebalance_leaves_small_gaps_and_running_requests_alone():
+    from streamrl.policies.rebalance import plan_moves
+
+    # a 1.5 vs b 1.0: moving a 100 would make b 1.5 -> no gain, no move
+    near = {"a": [("a1", 100), ("a2", 100), ("a3", 100)], "b": [("b1", 100), ("b2", 100)]}
+    assert plan_moves(near, {"a": ["a3"]}, FLAT, max_batch_size=2) == []
+    # a has far more work but nothing queued: nothing may move
+    assert plan_moves({"a": [("a1", 500)] * 1, "b": []}, {"a": []}, FLAT, max_batch_size=2) == []
+    # below the threshold: no move even if one would help a little
+    assert plan_moves(near, {"a": ["a3"]}, FLAT, max_batch_size=2, threshold=0.5) == []
+
+
+def test_rebalance_rejects_bad_input_naming_the_value():
+    from streamrl.policies.rebalance import plan_moves
+
+    with pytest.raises(ValueError, match="threshold=1.5"):
+        plan_moves({"a": []}, {}, FLAT, threshold=1.5)
+    with pytest.raises(ValueError, match="'x'.*not unfinished"):
+        plan_moves({"a": [("r", 1.0)], "b": []}, {"a": ["x"]}, FLAT)
+    with pytest.raises(ValueError, match="-3"):
+        plan_moves({"a": [("r", -3.0)], "b": []}, {}, FLAT)

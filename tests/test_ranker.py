@@ -222,3 +222,91 @@ def test_bare_rank_command_prints_help(capsys):
 
     assert main(["rank"]) == 2
     assert "eval" in capsys.readouterr().out
+
+
+# -- online use in the SGS -----------------------------------------------------------------------
+def test_online_refresh_changes_the_ranking_after_the_policys_lengths_change():
+    from streamrl.ranker.online import OnlineRanker
+
+    online = OnlineRanker(HistoryRanker(decay=0.3), default_length=10.0)
+    keys, texts = ["p0", "p1", "p2", "p3"], ["D 9,1:", "S 1:", "U 1,1,9:", "S 12:"]
+    online.register(keys, texts)
+    try:
+        assert online.predict(keys).tolist() == [10.0] * 4  # cold: all equal until the first refresh
+        online.observe(keys, [100, 5, 50, 10])
+        assert online.wait(timeout=30)
+        first = online.predict(keys)
+        assert list(np.argsort(-first)) == [0, 2, 3, 1]
+        for _ in range(3):  # the policy changed: p1 now writes long answers, p0 short ones
+            online.observe(keys, [5, 120, 50, 10])
+        assert online.wait(timeout=30)
+        after = online.predict(keys)
+        assert np.argmax(after) == 1 and np.argmin(after) == 0
+        assert online.metrics()["rank/refreshes"] == 4
+    finally:
+        online.close()
+
+
+class _GatedRanker(HistoryRanker):
+    """A real history ranker whose ``update`` waits for a gate: holds a refresh mid-way."""
+
+    def __init__(self):
+        super().__init__(space="linear")
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def update(self, texts, lengths, keys=None):
+        self.entered.set()
+        self.gate.wait(30)
+        super().update(texts, lengths, keys)
+
+
+def test_prediction_never_waits_for_a_refresh_and_sees_the_new_table_after():
+    from streamrl.ranker.online import OnlineRanker
+
+    ranker = _GatedRanker()
+    online = OnlineRanker(ranker)
+    online.register(["a", "b"], ["A", "B"])
+    try:
+        online.fit(["a", "b"], ["A", "B"], [100.0, 1.0])
+        online.observe(["a", "b", "a", "b"], [1.0, 1000.0, 1.0, 1000.0])
+        assert ranker.entered.wait(30)  # the refresh is running (and blocked) on its thread
+        assert online.predict(["a", "b"]).tolist() == [100.0, 1.0]  # the old table, answered at once
+        ranker.gate.set()
+        assert online.wait(timeout=30)
+        new = online.predict(["a", "b"])
+        assert new[1] > new[0]
+    finally:
+        ranker.gate.set()
+        online.close()
+
+
+def test_online_ranker_rejects_bad_lengths_and_skips_unregistered_prompts():
+    from streamrl.ranker.online import OnlineRanker
+
+    online = OnlineRanker(HistoryRanker())
+    online.register(["a"], ["A"])
+    try:
+        with pytest.raises(ValueError, match=r"\('a', -2.0\)"):
+            online.observe(["a"], [-2.0])
+        online.observe(["a", "eval-7"], [5.0, 9.0])
+        assert online.wait(timeout=30)
+        assert online.metrics()["rank/unregistered_skipped"] == 1
+        assert online.predict(["eval-7"]).tolist() == [1.0]  # never registered: the default, counted
+        assert online.metrics()["rank/unknown"] == 1
+    finally:
+        online.close()
+
+
+def test_batch_rank_metrics_hand_worked():
+    from streamrl.ranker.online import batch_rank_metrics
+
+    actual = list(range(1, 21))  # k = 4 / 2 / 1 of 20
+    pred = actual[:]
+    pred[19], pred[0] = pred[0], pred[19]  # the longest is predicted shortest
+    m = batch_rank_metrics(pred, actual)
+    assert m["rank/recall@20%"] == pytest.approx(3 / 4)  # 17, 18, 19 found; 20 missed (1 took its place)
+    assert m["rank/recall@10%"] == pytest.approx(1 / 2)
+    assert m["rank/recall@5%"] == 0.0
+    assert -1 < m["rank/spearman"] < 1
+    with pytest.raises(ValueError, match="3 predictions but 2"):
+        batch_rank_metrics([1, 2, 3], [1, 2])

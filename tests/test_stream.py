@@ -92,7 +92,9 @@ def _requests(policy_dir, n_prompts, tag="t"):
 def test_every_request_is_returned_exactly_once_when_an_instance_is_removed(ray_session, tiny_policy_dir):
     from streamrl.sgs.service import StreamGenerationService
 
-    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.num_instances=2"))
+    # batch 2: an instance cannot finish its whole share before the driver's first poll returns
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.num_instances=2",
+                                       "generation.max_requests_per_batch=2"))
     sgs.add_instance()
     sgs.add_instance()
     requests = _requests(tiny_policy_dir, 12)
@@ -101,7 +103,8 @@ def test_every_request_is_returned_exactly_once_when_an_instance_is_removed(ray_
         for c in sgs.generate(requests):
             seen.append(c.request_id)
             if not removed:
-                victim = c.instance or "gen-0"
+                left = {n: sum(inst == n for inst, _ in sgs.assigned.values()) for n in sgs.instances}
+                victim = max(left, key=left.get)  # the instance with the most unfinished requests
                 removed = sgs.remove_instance(victim) + 1  # re-submits the victim's unfinished requests
     finally:
         sgs.shutdown()
@@ -156,3 +159,84 @@ def test_pipeline_trains_every_sample_once_and_respects_versions(ray_session, ti
     last_gen_end = max(s.completion.t_end for s in first[1])
     first_prepare = min(e.start for e in events if e.what == "prepare" and e.iteration == 0)
     assert first_prepare < last_gen_end
+
+
+def _drain(sgs, ids):
+    """Poll until every id in ``ids`` came back; returns the completions in arrival order."""
+    wanted, out = set(ids), []
+    while wanted:
+        for c in sgs.poll():
+            wanted.discard(c.request_id)
+            out.append(c)
+    return out
+
+
+def test_rebalancing_moves_queued_work_to_a_new_instance_and_loses_and_duplicates_nothing(ray_session, tiny_policy_dir):
+    from streamrl.sgs.service import StreamGenerationService
+
+    cfg = _cfg(tiny_policy_dir, "generation.rebalance=true", "generation.rebalance_threshold=0.1",
+               "generation.max_requests_per_batch=2", "ranker.name=none")
+    sgs = StreamGenerationService(cfg)
+    sgs.add_instance()
+    requests = _requests(tiny_policy_dir, 10, tag="rb")  # 20 requests; gen-0 runs 2 and holds most back
+    try:
+        sgs.submit(requests)
+        held_before = ray_session.get(sgs.instances["gen-0"].held_ids.remote())
+        assert len(held_before) >= 10  # not handed to the engine: not started
+        sgs.add_instance()  # an idle instance joins: the next poll moves queued work to it
+        done = _drain(sgs, [r.request_id for r in requests])
+        pending = ray_session.get([a.num_pending.remote() for a in sgs.instances.values()])
+    finally:
+        sgs.shutdown()
+    ids = [c.request_id for c in done]
+    assert sorted(ids) == sorted(r.request_id for r in requests) and len(set(ids)) == len(ids)  # exactly once
+    assert sgs.counters["sgs/rebalanced"] > 0 and sgs.counters["sgs/duplicates"] == 0
+    moved_and_run = {c.request_id for c in done if c.instance == "gen-1"}
+    assert moved_and_run and moved_and_run <= set(held_before)  # only not-yet-started requests moved
+    assert pending == [0, 0] and not sgs.assigned
+
+
+def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_session, tiny_policy_dir):
+    from streamrl.controller.common import make_task
+    from streamrl.sgs.service import StreamGenerationService
+
+    cfg = _cfg(tiny_policy_dir, "generation.dispatch=skewness-aware", "generation.order=lpt",
+               "ranker.name=history", "generation.max_requests_per_batch=2")
+    prompts = make_task(cfg).train_prompts()[:8]
+    sgs = StreamGenerationService(cfg)
+    sgs.attach_prompts(prompts)
+    sgs.add_instance()
+    sgs.add_instance()
+    try:
+        first = list(sgs.generate(_requests_for(tiny_policy_dir, cfg, prompts, "a")))
+        cold = sgs.take_metrics()
+        assert set(cold) >= {"rank/recall@20%", "rank/recall@10%", "rank/recall@5%", "rank/spearman"}
+        assert sgs.ranker.wait(timeout=60)  # the refresh ran in the background after the batch
+        second = _requests_for(tiny_policy_dir, cfg, prompts, "b")
+        sgs.submit(second)
+        pred = {r.request_id: sgs.predicted[r.request_id] for r in second}
+        where = {rid: inst for rid, (inst, _) in sgs.assigned.items()}
+        prio = {rid: req.priority for rid, (_, req) in sgs.assigned.items()}
+        _drain(sgs, list(pred))
+    finally:
+        sgs.shutdown()
+    mean_len = {}
+    for c in first:
+        mean_len.setdefault(c.request_id.split(":", 1)[1].rsplit("/", 1)[0], []).append(len(c.output_ids))
+    for r in second:  # the history ranker predicts each prompt's mean length from the first batch (log space)
+        lens = np.array(mean_len[r.prompt_id], dtype=float)
+        assert pred[r.request_id] == pytest.approx(np.expm1(np.log1p(lens).mean()))
+    assert prio == pred  # LPT: the engine admits by predicted length
+    split = sgs.dispatch.last_split
+    longest = sorted(pred, key=lambda rid: -pred[rid])[: split.long_requests]
+    if split.long_instances:
+        assert all(where[rid] == "gen-0" for rid in longest)  # Algorithm 2's long-tail pool
+        assert all(where[rid] == "gen-1" for rid in pred if rid not in longest)
+
+
+def _requests_for(policy_dir, cfg, prompts, tag):
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.models.tiny import load_policy
+
+    _, tok = load_policy(policy_dir)
+    return RequestBuilder(tok, cfg).build(prompts, iteration=0, tag=tag)

@@ -88,6 +88,7 @@ class DisaggPipeline:
         self.trainer = TrainerActor.options(num_cpus=cfg.trainer.threads).remote(
             cfg.model_dump(), cfg.trainer.threads, self.max_staleness)
         self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch)
+        self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
         for _ in range(cfg.generation.num_instances):
             self.sgs.add_instance()
         self.sgs.update(ray.get(self.trainer.publish.remote()), 0)
@@ -159,7 +160,8 @@ class DisaggPipeline:
             self.timeline.add(c.instance, "generate", iteration, c.version_start, c.t_start, c.t_end)
         metrics = {"time/gen_s": gen_end - t0, "gen/version": gen_version,
                    "gen/tokens_per_s": sum(s.num_response_tokens for s in samples) / max(gen_end - t0, 1e-9),
-                   "staleness/max": max((self.sgs.version - s.completion.version_start for s in samples), default=0)}
+                   "staleness/max": max((self.sgs.version - s.completion.version_start for s in samples), default=0),
+                   **self.sgs.take_metrics()}  # ranker recall/Spearman of this batch, rebalancing counters
         if self.mode != "stream-async":
             res = self._result(iteration)
             self.sgs.update(res["handle"], res["version"])

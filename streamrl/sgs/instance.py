@@ -9,11 +9,21 @@
 
 The actor is threaded (``max_concurrency``), so ``submit`` and ``update`` run while a ``poll``
 is blocked waiting for a completion. The engine itself is thread-safe.
+
+Hold-back queue (``hold_back=True``, used when the SGS rebalances): the instance keeps submitted
+requests in its own priority heap (the engine's order: larger ``priority`` first, ties FIFO) and
+hands the engine only enough to fill its batch plus ``slack`` waiting ones, topping up before and
+after every ``poll``. Requests still in this heap have certainly not started, so ``take`` can give
+them back to the SGS to move elsewhere: they are removed here under the lock, atomically with
+respect to the top-up, so a request is either taken or handed to the engine, never both.
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
+import itertools
+import threading
 import time
 
 import ray
@@ -21,7 +31,8 @@ import ray
 
 @ray.remote(max_concurrency=4)
 class GenerationInstance:
-    def __init__(self, name: str, cfg_tree: dict, policy_path: str, threads: int, seed: int) -> None:
+    def __init__(self, name: str, cfg_tree: dict, policy_path: str, threads: int, seed: int,
+                 hold_back: bool = False, engine_overrides: dict | None = None) -> None:
         import os
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,21 +43,71 @@ class GenerationInstance:
 
         cfg = config_from_dict(cfg_tree)
         self.name = name
-        model, tokenizer = load_policy(policy_path)
-        self.engine = make_engine(cfg.generation.engine, model.eval(),
-                                  **engine_kwargs(cfg, tokenizer, threads, name, seed))
+        if cfg.generation.engine == "vllm":  # vLLM loads the checkpoint directory itself
+            from transformers import PreTrainedTokenizerFast
+
+            model, tokenizer = policy_path, PreTrainedTokenizerFast.from_pretrained(policy_path)
+            engine_overrides = {**cfg.generation.vllm, **(engine_overrides or {})}
+        else:
+            model, tokenizer = load_policy(policy_path)
+            model = model.eval()
+        kwargs = {**engine_kwargs(cfg, tokenizer, threads, name, seed), **(engine_overrides or {})}
+        self.engine = make_engine(cfg.generation.engine, model, **kwargs)
         self.events: list[tuple] = []
+        self.hold_back = hold_back
+        batch = int(getattr(self.engine, "settings", {}).get("max_inflight") or cfg.generation.max_requests_per_batch)
+        self._engine_target = batch + max(2, batch // 2)  # running + waiting requests the engine may hold
+        self._lock = threading.Lock()
+        self._held: list[tuple[float, int, str]] = []  # (-priority, seq, request_id) heap
+        self._held_reqs: dict = {}  # request_id -> GenRequest, while held here
+        self._seq = itertools.count()
 
     def ready(self) -> str:
         return self.name
 
     def submit(self, requests) -> int:
-        for r in requests:
-            self.engine.add_request(r)
+        if not self.hold_back:
+            for r in requests:
+                self.engine.add_request(r)
+            return len(requests)
+        with self._lock:
+            for r in requests:
+                if r.request_id in self._held_reqs:
+                    raise ValueError(f"request_id {r.request_id!r} is already held by instance {self.name!r}")
+                self._held_reqs[r.request_id] = r
+                heapq.heappush(self._held, (-float(r.priority), next(self._seq), r.request_id))
+        self._top_up()
         return len(requests)
 
+    def _top_up(self) -> None:
+        """Hand the engine the highest-priority held requests until it holds ``_engine_target``."""
+        if not self.hold_back:
+            return
+        with self._lock:
+            room = self._engine_target - self.engine.num_pending()
+            while room > 0 and self._held:
+                _, _, rid = heapq.heappop(self._held)
+                req = self._held_reqs.pop(rid, None)
+                if req is None:
+                    continue  # taken or cancelled while held (stale heap entry)
+                self.engine.add_request(req)
+                room -= 1
+
+    def held_ids(self) -> list[str]:
+        """Requests held here, not yet handed to the engine (so not started): the movable ones."""
+        with self._lock:
+            return list(self._held_reqs)
+
+    def take(self, request_ids) -> list:
+        """Remove and return those of ``request_ids`` still held (not started); the rest stay."""
+        with self._lock:
+            return [self._held_reqs.pop(r) for r in request_ids if r in self._held_reqs]
+
     def poll(self, timeout: float = 0.5, max_items: int | None = None):
-        return self.engine.get_completions(timeout=timeout, max_items=max_items)
+        self._top_up()
+        out = self.engine.get_completions(timeout=timeout, max_items=max_items)
+        self._top_up()
+        return out
 
     def update(self, handle, version: int) -> dict:
         """Install the weights behind ``handle`` (a ``WeightHandle``) as ``version``."""
@@ -65,10 +126,13 @@ class GenerationInstance:
         self.engine.update_weights(state_dict, version)
 
     def cancel(self, request_ids) -> int:
-        return sum(bool(self.engine.cancel(r)) for r in request_ids)
+        with self._lock:
+            held = [r for r in request_ids if self._held_reqs.pop(r, None) is not None]
+        return len(held) + sum(bool(self.engine.cancel(r)) for r in request_ids if r not in held)
 
     def num_pending(self) -> int:
-        return self.engine.num_pending()
+        with self._lock:
+            return self.engine.num_pending() + len(self._held_reqs)
 
     def version(self) -> int:
         return self.engine.version

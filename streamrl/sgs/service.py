@@ -6,9 +6,21 @@
 
 Dataflow::
 
-    controller --submit--> dispatch policy --> instance k: engine queue (LPT by priority)
-    controller <--poll---- ray.wait over one outstanding ``poll`` call per instance; a returned
-                           batch is handed out and that instance's poll is re-armed at once
+    controller --submit--> predicted lengths (ranker table lookup, or given)
+                           --> dispatch policy (config: generation.dispatch) picks the instance
+                           --> order policy (generation.order) sets each request's priority
+                           --> instance k: engine queue (admits larger priority first: LPT)
+    controller <--poll---- ray.wait over one outstanding ``poll`` call per busy instance; a
+                           returned batch is handed out and that instance's poll is re-armed
+                           --> rebalancing check (generation.rebalance): may move queued requests
+    end of a ``generate`` batch: recall/Spearman of the predictions against the actual lengths
+                           (``take_metrics``), lengths to the dispatch policy (Algorithm 2's
+                           P50/P90) and to the ranker's background refresh (never waited on)
+
+Predicted lengths: ``submit(requests, predicted_lengths)`` uses the given ones (the scheduling
+bench passes oracle lengths); otherwise the ``OnlineRanker`` (``ranker`` config section; the
+dataset is registered with ``attach_prompts`` and scored ahead of time) when dispatch, order or
+rebalancing needs lengths; otherwise all requests are predicted equal.
 
 Ownership and exactly-once: the service records every submitted request until its completion
 has been handed out. ``remove_instance`` kills an instance and re-submits its unfinished
@@ -16,6 +28,17 @@ requests to the remaining ones; a completion that arrives for a request already 
 never submitted) is dropped and counted (``sgs/duplicates``), so every request is returned
 exactly once. Instances can be added while requests run; a new instance first installs the
 current weights, so it never generates with a stale version.
+
+Rebalancing (beyond the paper, ``policies.rebalance``): instances then hold submitted requests
+in their own queue and give the engine only a batch plus a little slack (``instance.py``). After
+each poll the service computes every instance's predicted remaining time from the predicted
+lengths of its unfinished requests; when the largest exceeds the smallest by more than
+``generation.rebalance_threshold`` of it, it asks the instances which requests they still hold,
+plans moves with ``plan_moves`` and applies them: ``take`` on the source (returns only requests
+still held, atomically) then ``submit`` on the destination, then the ownership record moves.
+A request is thus in exactly one instance's hands at any time: never lost, never run twice.
+Only not-yet-started requests move; running ones are never cut (moving a running request with
+its generated prefix would need partial outputs from the engine, which it does not stream).
 
 Placement: each instance is a Ray actor with ``generation.threads_per_instance`` CPUs and the
 custom resources in ``generation.resources`` (e.g. ``{"H20": 1}`` on a heterogeneous cluster).
@@ -25,33 +48,102 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Iterator
+from dataclasses import replace
+from typing import Iterator, Sequence
 
 import ray
 
 from streamrl.config import Config
 from streamrl.policies.dispatch import make_dispatch_policy
+from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
+from streamrl.policies.order import make_order_policy
+from streamrl.policies.rebalance import plan_moves, remaining_time_s
+from streamrl.ranker.online import OnlineRanker, batch_rank_metrics
 from streamrl.sgs.instance import GenerationInstance
 from streamrl.types import Completion, GenRequest
 
 log = logging.getLogger(__name__)
 
+NEEDS_LENGTHS = ("skewness-aware", "least-loaded")
+
+
+def make_online_ranker(cfg: Config) -> OnlineRanker | None:
+    """The configured ranker wrapped for online use, fitted on ``ranker.fit_file`` if given; None for ``none``."""
+    r = cfg.ranker
+    if r.name == "none":
+        return None
+    from streamrl.ranker.base import make_ranker
+
+    online = OnlineRanker(make_ranker(r.name, **r.kwargs), default_length=max(1.0, cfg.generation.max_new_tokens / 2),
+                          refresh=r.refresh)
+    if r.fit_file:
+        from streamrl.ranker.evaluate import load_samples_jsonl
+
+        recs = load_samples_jsonl(r.fit_file)
+        online.fit([x.key for x in recs], [x.text for x in recs], [x.length for x in recs])
+    return online
+
 
 class StreamGenerationService:
-    def __init__(self, cfg: Config, policy_path: str | None = None, dispatch: str = "round-robin",
-                 dispatch_kwargs: dict | None = None) -> None:
+    def __init__(self, cfg: Config, policy_path: str | None = None, dispatch: str | None = None,
+                 dispatch_kwargs: dict | None = None, ranker: OnlineRanker | None | str = "config",
+                 engine_overrides: dict | None = None, hold_back: bool | None = None) -> None:
+        g = cfg.generation
         self.cfg = cfg
         self.policy_path = policy_path or cfg.policy.path
-        self.dispatch = make_dispatch_policy(dispatch, **(dispatch_kwargs or {}))
+        self.latency: LatencyModel = load_profile(g.latency_profile) if g.latency_profile else H800_QWEN7B_VLLM
+        self.dispatch_name = dispatch or g.dispatch
+        self.dispatch = make_dispatch_policy(
+            self.dispatch_name, **(dispatch_kwargs if dispatch_kwargs is not None else self._dispatch_kwargs(self.dispatch_name)))
+        self.order = make_order_policy(g.order)
+        self.rebalance = g.rebalance
+        self.rebalance_threshold = g.rebalance_threshold
+        self.engine_overrides = dict(engine_overrides or {})
+        self.hold_back = g.rebalance if hold_back is None else hold_back  # instances keep queued requests movable
+        wants_lengths = self.dispatch_name in NEEDS_LENGTHS or g.order == "lpt" or g.rebalance
+        if ranker == "config":
+            ranker = make_online_ranker(cfg) if wants_lengths else None
+        self.ranker: OnlineRanker | None = ranker
         self.instances: dict[str, ray.actor.ActorHandle] = {}
         self.assigned: dict[str, tuple[str, GenRequest]] = {}
+        self.predicted: dict[str, float] = {}
         self.returned: set[str] = set()
         self._polls: dict[ray.ObjectRef, str] = {}
         self._names = (f"gen-{i}" for i in itertools.count())
         self._handle = None
         self.version = 0
+        self._handed_out = 0
+        self._rebalance_idle_at = -1  # handed-out count at the last check that found nothing to move
+        self._metrics: dict[str, float] = {}
         self.counters = {"sgs/duplicates": 0, "sgs/resubmitted": 0, "sgs/instances_added": 0,
-                         "sgs/instances_removed": 0}
+                         "sgs/instances_removed": 0, "sgs/rebalanced": 0, "sgs/rebalance_rounds": 0}
+
+    def configure(self, dispatch: str, order: str, rebalance: bool, dispatch_kwargs: dict | None = None) -> None:
+        """Switch the scheduling policies between batches (benchmarks compare them on one pool).
+
+        Rebalancing needs instances that hold requests back (``hold_back``): it can only be
+        switched on for a service built with it."""
+        if rebalance and not self.hold_back:
+            raise ValueError("rebalance=True needs instances built with hold_back=True (generation.rebalance "
+                             "or StreamGenerationService(hold_back=True))")
+        if self.assigned:
+            raise RuntimeError(f"cannot change scheduling with {len(self.assigned)} requests in flight")
+        self.dispatch_name = dispatch
+        self.dispatch = make_dispatch_policy(dispatch, **(dispatch_kwargs if dispatch_kwargs is not None
+                                                           else self._dispatch_kwargs(dispatch)))
+        self.order = make_order_policy(order)
+        self.rebalance = rebalance
+        self._rebalance_idle_at = -1
+
+    def _dispatch_kwargs(self, name: str) -> dict:
+        g = self.cfg.generation
+        if name == "random":
+            return {"seed": self.cfg.run.seed}
+        if name == "skewness-aware":
+            if g.latency_profile is None:
+                log.warning("skewness-aware dispatch without generation.latency_profile: using the paper's H800 PTL table")
+            return {"latency": self.latency, "alpha": g.skew_alpha, "max_batch_size": g.max_requests_per_batch}
+        return {}
 
     # ------------------------------------------------------------------------------- instances
     def add_instance(self) -> str:
@@ -59,7 +151,9 @@ class StreamGenerationService:
         name = next(self._names)
         actor = GenerationInstance.options(num_cpus=g.threads_per_instance, resources=dict(g.resources),
                                            name=None).remote(name, self.cfg.model_dump(), self.policy_path,
-                                                             g.threads_per_instance, self.cfg.run.seed + len(self.instances))
+                                                             g.threads_per_instance, self.cfg.run.seed + len(self.instances),
+                                                             hold_back=self.hold_back,
+                                                             engine_overrides=self.engine_overrides)
         ray.get(actor.ready.remote())
         if self._handle is not None:
             ray.get(actor.update.remote(self._handle, self.version))
@@ -78,10 +172,11 @@ class StreamGenerationService:
             del self._polls[ref]
         ray.kill(actor)
         orphans = [req for inst, req in self.assigned.values() if inst == name]
+        predicted = [self.predicted[r.request_id] for r in orphans]
         for req in orphans:
             del self.assigned[req.request_id]
         if orphans:
-            self.submit(orphans)
+            self._dispatch_and_send(orphans, predicted)
             self.counters["sgs/resubmitted"] += len(orphans)
         self.counters["sgs/instances_removed"] += 1
         return len(orphans)
@@ -93,20 +188,50 @@ class StreamGenerationService:
         refs = [a.update.remote(handle, version) for a in self.instances.values()]
         return ray.get(refs) if wait else refs
 
+    # ---------------------------------------------------------------------------------- ranker
+    def attach_prompts(self, prompts: Sequence) -> None:
+        """Register the dataset's prompts (``prompt_id``, ``text``) so the ranker scores them ahead."""
+        if self.ranker is not None:
+            self.ranker.register([p.prompt_id for p in prompts], [p.text for p in prompts])
+
+    def predict(self, requests: Sequence[GenRequest]) -> list[float]:
+        """Predicted output length per request: the ranker's table, else all equal (1.0)."""
+        if self.ranker is None:
+            return [1.0] * len(requests)
+        return self.ranker.predict([r.prompt_id for r in requests]).tolist()
+
     # ------------------------------------------------------------------------------- requests
-    def submit(self, requests: list[GenRequest], predicted_lengths: list[float] | None = None) -> None:
+    def submit(self, requests: list[GenRequest], predicted_lengths: Sequence[float] | None = None) -> None:
         if not self.instances:
             raise RuntimeError("the SGS has no generation instance; call add_instance() first")
+        seen: set[str] = set()
         for r in requests:
-            if r.request_id in self.assigned or r.request_id in self.returned:
+            if r.request_id in self.assigned or r.request_id in self.returned or r.request_id in seen:
                 raise ValueError(f"request {r.request_id!r} was already submitted")
+            seen.add(r.request_id)
+        if predicted_lengths is None:
+            lengths = self.predict(requests)
+        else:
+            lengths = [float(x) for x in predicted_lengths]
+            if len(lengths) != len(requests):
+                raise ValueError(f"{len(lengths)} predicted lengths for {len(requests)} requests")
+            bad = [x for x in lengths if not x >= 0]
+            if bad:
+                raise ValueError(f"predicted lengths must be >= 0, got {bad[:5]}")
+        self._dispatch_and_send(requests, lengths)
+        if self.rebalance:
+            self._maybe_rebalance()
+
+    def _dispatch_and_send(self, requests: list[GenRequest], lengths: list[float]) -> None:
         names = sorted(self.instances)
-        lengths = predicted_lengths if predicted_lengths is not None else [r.priority for r in requests]
         choice = self.dispatch.assign(lengths, len(names))
+        priorities = self.order.priorities(lengths)
         per_instance: dict[str, list[GenRequest]] = {}
-        for r, k in zip(requests, choice):
+        for r, k, length, prio in zip(requests, choice, lengths, priorities):
+            r = replace(r, priority=prio)
             per_instance.setdefault(names[k], []).append(r)
             self.assigned[r.request_id] = (names[k], r)
+            self.predicted[r.request_id] = length
         ray.get([self.instances[n].submit.remote(rs) for n, rs in per_instance.items()])
 
     def pending(self) -> int:
@@ -114,8 +239,10 @@ class StreamGenerationService:
 
     def poll(self, timeout: float = 1.0) -> list[Completion]:
         """Completions that finished since the last call (possibly none after ``timeout``)."""
+        busy = {inst for inst, _ in self.assigned.values()}
+        armed = set(self._polls.values())
         for name, actor in self.instances.items():
-            if name not in self._polls.values():
+            if name in busy and name not in armed:  # an idle instance's poll would return at once: a spin
                 self._polls[actor.poll.remote(0.5)] = name
         if not self._polls:
             return []
@@ -137,18 +264,92 @@ class StreamGenerationService:
                 del self.assigned[c.request_id]
                 self.returned.add(c.request_id)
                 out.append(c)
-            if name in self.instances:
-                self._polls[self.instances[name].poll.remote(0.5)] = name
+            self._handed_out += len(batch)
+        if self.rebalance and out:
+            self._maybe_rebalance()
         return out
 
-    def generate(self, requests: list[GenRequest], predicted_lengths: list[float] | None = None) -> Iterator[Completion]:
-        """Submit ``requests`` and yield each completion as it finishes (completion order)."""
+    def generate(self, requests: list[GenRequest], predicted_lengths: Sequence[float] | None = None) -> Iterator[Completion]:
+        """Submit ``requests`` and yield each completion as it finishes (completion order).
+
+        After the last one: per-batch metrics (``take_metrics``) and the ranker/dispatch refresh."""
         self.submit(requests, predicted_lengths)
-        wanted = {r.request_id for r in requests}
+        predicted = {r.request_id: self.predicted[r.request_id] for r in requests}
+        wanted = set(predicted)
+        done: list[Completion] = []
         while wanted:
             for c in self.poll():
                 wanted.discard(c.request_id)
+                done.append(c)
                 yield c
+        self._end_batch(requests, predicted, done, given=predicted_lengths is not None)
+
+    def _end_batch(self, requests: list[GenRequest], predicted: dict[str, float], done: list[Completion],
+                   given: bool) -> None:
+        """Log the batch's ranking quality; feed its lengths to dispatch and (background) ranker."""
+        lengths = {c.request_id: len(c.output_ids) for c in done}
+        ids = [r.request_id for r in requests]
+        actual = [float(lengths[i]) for i in ids]
+        for i in ids:
+            self.predicted.pop(i, None)
+        if self.ranker is not None or given:
+            self._metrics.update(batch_rank_metrics([predicted[i] for i in ids], actual))
+        if hasattr(self.dispatch, "observe"):
+            self.dispatch.observe(actual)
+        if self.ranker is not None:
+            self.ranker.observe([r.prompt_id for r in requests], actual)
+            self._metrics.update(self.ranker.metrics())
+
+    def take_metrics(self) -> dict[str, float]:
+        """Metrics since the last call: ranking quality of the last batch, rebalancing counters."""
+        out = {**self._metrics, "sgs/rebalanced": float(self.counters["sgs/rebalanced"])}
+        self._metrics = {}
+        return out
+
+    # ------------------------------------------------------------------------------ rebalance
+    def _remaining(self) -> dict[str, list[tuple[str, float]]]:
+        unfinished: dict[str, list[tuple[str, float]]] = {name: [] for name in self.instances}
+        for rid, (name, _) in self.assigned.items():
+            unfinished[name].append((rid, self.predicted[rid]))
+        return unfinished
+
+    def _maybe_rebalance(self) -> int:
+        """Move queued requests if the predicted remaining times are uneven; returns how many moved."""
+        if len(self.instances) < 2 or self._rebalance_idle_at == self._handed_out:
+            return 0
+        cap = self.cfg.generation.max_requests_per_batch
+        unfinished = self._remaining()
+        times = {n: remaining_time_s([x for _, x in reqs], self.latency, cap) for n, reqs in unfinished.items()}
+        t_max, t_min = max(times.values()), min(times.values())
+        if t_max - t_min <= self.rebalance_threshold * t_max:
+            return 0
+        names = list(self.instances)
+        held = dict(zip(names, ray.get([self.instances[n].held_ids.remote() for n in names])))
+        movable = {n: [rid for rid in ids if rid in self.assigned] for n, ids in held.items()}
+        moves = plan_moves(unfinished, movable, self.latency, cap, self.rebalance_threshold)
+        if not moves:
+            self._rebalance_idle_at = self._handed_out
+            return 0
+        by_src: dict[str, list] = {}
+        for m in moves:
+            by_src.setdefault(m.src, []).append(m)
+        moved = 0
+        dst_of = {m.request_id: m.dst for m in moves}
+        taken_refs = {src: self.instances[src].take.remote([m.request_id for m in ms]) for src, ms in by_src.items()}
+        per_dst: dict[str, list[GenRequest]] = {}
+        for src, ref in taken_refs.items():
+            for req in ray.get(ref):  # only those still held: they have not started, so none can finish twice
+                per_dst.setdefault(dst_of[req.request_id], []).append(req)
+        for dst, reqs in per_dst.items():
+            for req in reqs:
+                self.assigned[req.request_id] = (dst, req)
+            moved += len(reqs)
+        ray.get([self.instances[dst].submit.remote(reqs) for dst, reqs in per_dst.items()])
+        self.counters["sgs/rebalanced"] += moved
+        self.counters["sgs/rebalance_rounds"] += 1
+        if moved == 0:
+            self._rebalance_idle_at = self._handed_out
+        return moved
 
     # ------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, dict]:
@@ -166,3 +367,5 @@ class StreamGenerationService:
             ray.kill(actor)
         self.instances.clear()
         self._polls.clear()
+        if self.ranker is not None:
+            self.ranker.close()

@@ -1,0 +1,147 @@
+"""Runtime rebalancing (beyond the paper: PAPER.md §5, after Seer's critique of atomic dispatch).
+
+StreamRL dispatches each request once; a wrong length estimate can then leave one instance with
+far more work than the others while they idle. Rebalancing re-plans the *not yet started*
+requests while generation runs.
+
+Inputs, per instance: the predicted lengths of its unfinished requests (running and queued) and
+which of them are movable (queued: not started, so moving one costs nothing and loses nothing).
+The predicted remaining time of an instance is the §3.7 latency model applied to what is left::
+
+    T(L) = PTL(BS) * max(sum(L) / BS, max(L)),   BS = min(len(L), max_batch_size)
+
+(``sum(L) / BS`` decode steps of a full batch, and never less than its longest request alone).
+Running requests count with their full prediction (their progress is not known here); that
+overstates a busy instance's load a little, which only makes it give work away sooner.
+
+Rule (``plan_moves``): while the most loaded instance's ``T`` exceeds the least loaded one's by
+more than ``threshold * T_max``, move one movable request from the most to the least loaded: the
+one that minimises ``max(T_src, T_dst)`` afterwards. Stop when no move lowers that maximum, or
+after ``max_moves``. A pure function: no Ray, no engine (the SGS applies the moves it returns).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from streamrl.policies.latency import LatencyModel
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move ``request_id`` from instance ``src`` to instance ``dst`` (names as given)."""
+
+    request_id: str
+    src: str
+    dst: str
+    predicted_len: float
+
+
+def remaining_time_s(lengths: Sequence[float], latency: LatencyModel, max_batch_size: int | None = None) -> float:
+    """Predicted time for one instance to finish requests of these predicted lengths (see module docstring)."""
+    n = len(lengths)
+    if n == 0:
+        return 0.0
+    return _time(n, float(sum(lengths)), float(max(lengths)), latency, max_batch_size)
+
+
+def _time(n: int, total: float, longest: float, latency: LatencyModel, cap: int | None) -> float:
+    if n == 0:
+        return 0.0
+    bs = min(n, cap or latency.max_batch_size)
+    return latency.seconds_per_token(bs) * max(total / bs, longest)
+
+
+class _Load:
+    """One instance's unfinished predicted lengths, with O(log n) add/remove."""
+
+    def __init__(self, lengths: Sequence[float]) -> None:
+        self.sorted = sorted(float(x) for x in lengths)
+        self.total = float(sum(self.sorted))
+
+    def time(self, latency: LatencyModel, cap: int | None, add: float | None = None, remove: float | None = None) -> float:
+        n, total = len(self.sorted), self.total
+        longest = self.sorted[-1] if self.sorted else 0.0
+        if remove is not None:
+            n, total = n - 1, total - remove
+            if self.sorted and remove == longest:
+                longest = self.sorted[-2] if len(self.sorted) > 1 else 0.0
+        if add is not None:
+            n, total, longest = n + 1, total + add, max(longest, add)
+        return _time(n, total, longest, latency, cap)
+
+    def remove(self, x: float) -> None:
+        del self.sorted[bisect.bisect_left(self.sorted, x)]
+        self.total -= x
+
+    def add(self, x: float) -> None:
+        bisect.insort(self.sorted, x)
+        self.total += x
+
+
+def plan_moves(
+    unfinished: Mapping[str, Sequence[tuple[str, float]]],
+    movable: Mapping[str, Sequence[str]],
+    latency: LatencyModel,
+    max_batch_size: int | None = None,
+    threshold: float = 0.25,
+    max_moves: int = 1_000_000,
+) -> list[Move]:
+    """Moves that even out the instances' predicted remaining time (see module docstring).
+
+    ``unfinished[name]``: ``(request_id, predicted_len)`` of every unfinished request on that
+    instance; ``movable[name]``: the ids among them that have not started. Every instance must
+    appear in ``unfinished`` (with ``[]`` if idle).
+    """
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"rebalance threshold={threshold!r}: must be in [0, 1) (a fraction of the largest load)")
+    if max_moves < 0:
+        raise ValueError(f"max_moves={max_moves!r} must be >= 0")
+    unknown = sorted(set(movable) - set(unfinished))
+    if unknown:
+        raise ValueError(f"movable names instances {unknown} that are not in unfinished {sorted(unfinished)}")
+    pred: dict[str, float] = {}
+    loads: dict[str, _Load] = {}
+    for name, reqs in unfinished.items():
+        for rid, length in reqs:
+            if not length >= 0:
+                raise ValueError(f"request {rid!r} on {name!r}: predicted length {length!r} must be >= 0")
+            pred[rid] = float(length)
+        loads[name] = _Load([float(length) for _, length in reqs])
+    queued: dict[str, list[str]] = {}
+    for name, ids in movable.items():
+        owned = {rid for rid, _ in unfinished[name]}
+        stray = [rid for rid in ids if rid not in owned]
+        if stray:
+            raise ValueError(f"movable requests {stray[:5]} are not unfinished on instance {name!r}")
+        queued[name] = list(ids)
+    moves: list[Move] = []
+    if len(loads) < 2:
+        return moves
+    while len(moves) < max_moves:
+        times = {name: load.time(latency, max_batch_size) for name, load in loads.items()}
+        src = max(times, key=lambda k: (times[k], k))
+        dst = min(times, key=lambda k: (times[k], k))
+        if times[src] - times[dst] <= threshold * times[src] or not queued.get(src):
+            break
+        best: tuple[float, str] | None = None
+        tried: set[float] = set()
+        for rid in queued[src]:
+            x = pred[rid]
+            if x in tried:
+                continue
+            tried.add(x)
+            after = max(loads[src].time(latency, max_batch_size, remove=x), loads[dst].time(latency, max_batch_size, add=x))
+            if best is None or after < best[0]:
+                best = (after, rid)
+        if best is None or best[0] >= times[src] - 1e-12:
+            break  # no single move shortens the makespan
+        rid = best[1]
+        queued[src].remove(rid)
+        queued.setdefault(dst, []).append(rid)
+        loads[src].remove(pred[rid])
+        loads[dst].add(pred[rid])
+        moves.append(Move(rid, src, dst, pred[rid]))
+    return moves

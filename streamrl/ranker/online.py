@@ -1,0 +1,205 @@
+"""The ranker as the live system uses it: scored ahead, refreshed in the background (PAPER.md §3.6).
+
+Dataflow (all in the driver process; the SGS owns one ``OnlineRanker``)::
+
+    register(keys, texts)  once, before RL: the whole dataset is scored now, off the critical
+                           path; the scores go in ``_table`` (key -> predicted length)
+    predict(keys)          at dispatch: a dict lookup per request (no model call)
+    observe(keys, lengths) after each generation batch: queued for the refresh thread; returns
+                           at once
+    refresh thread         fit (first batch) or update the ranker with the batch, re-score every
+                           registered prompt, swap the new table in under ``_lock``
+
+So dispatch never waits for training or scoring; a batch submitted while a refresh runs uses the
+previous table (one iteration old). The thread does use the driver's CPU: on a 2-core machine
+that CPU is shared with the instances and the trainer.
+
+Before the first refresh (and with no ``fit`` records), every prompt gets ``default_length``:
+dispatch then sees equal predictions (Algorithm 2 degenerates to balancing request counts).
+A prompt registered after a refresh is scored on first use; a key that was never registered
+gets ``default_length`` and is counted (``rank/unknown``). Only registered prompts are learned
+from (the ranker reads their text): lengths of unregistered ones, e.g. held-out evaluation
+prompts, are skipped and counted (``rank/unregistered_skipped``).
+
+A failure in the refresh thread is kept and re-raised by the next ``predict``/``observe``/``wait``:
+a broken ranker fails the run loudly instead of silently dispatching on stale scores.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from streamrl.ranker.base import Ranker
+from streamrl.ranker.metrics import rank_metrics
+
+log = logging.getLogger(__name__)
+
+
+class OnlineRanker:
+    """Predicted output lengths by prompt key; see the module docstring."""
+
+    def __init__(self, ranker: Ranker, default_length: float = 1.0, refresh: bool = True) -> None:
+        if not default_length > 0:
+            raise ValueError(f"default_length={default_length!r} must be > 0")
+        self.ranker = ranker
+        self.default_length = float(default_length)
+        self.refresh_enabled = refresh
+        self._lock = threading.Lock()
+        self._texts: dict[str, str] = {}
+        self._table: dict[str, float] = {}
+        self._fitted = False
+        self._queue: queue.Queue = queue.Queue()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self.counters = {"rank/refreshes": 0, "rank/refresh_s": 0.0, "rank/unknown": 0, "rank/scored_on_demand": 0,
+                         "rank/unregistered_skipped": 0}
+        self._thread = threading.Thread(target=self._loop, name="ranker-refresh", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------ set-up
+    def fit(self, keys: Sequence[str], texts: Sequence[str], lengths: Sequence[float]) -> None:
+        """Fit on earlier (prompt, length) records now (blocking) and re-score registered prompts."""
+        self.ranker.fit(list(texts), list(lengths), [str(k) for k in keys])
+        with self._lock:
+            self._fitted = True
+            for k, t in zip(keys, texts):
+                self._texts.setdefault(str(k), t)
+        self._rescore()
+
+    def register(self, keys: Sequence[str], texts: Sequence[str]) -> None:
+        """Remember the prompts' texts and score them ahead of time (if the ranker is fitted)."""
+        keys = [str(k) for k in keys]
+        if len(keys) != len(texts):
+            raise ValueError(f"register: {len(keys)} keys but {len(texts)} texts")
+        with self._lock:
+            self._texts.update(zip(keys, texts))
+            fitted = self._fitted
+        if fitted:
+            scores = self.ranker.score(list(texts), keys)
+            with self._lock:
+                self._table.update(zip(keys, scores.tolist()))
+
+    # ------------------------------------------------------------------------------ hot path
+    def predict(self, keys: Sequence[str]) -> np.ndarray:
+        """Predicted length per key (a table lookup; see the module docstring for misses)."""
+        self._raise_if_failed()
+        keys = [str(k) for k in keys]
+        with self._lock:
+            if not self._fitted:
+                return np.full(len(keys), self.default_length)
+            out = np.array([self._table.get(k, np.nan) for k in keys], dtype=np.float64)
+            missing = [i for i in np.flatnonzero(np.isnan(out)) if keys[i] in self._texts]
+            texts = [self._texts[keys[i]] for i in missing]
+        if missing:
+            scores = self.ranker.score(texts, [keys[i] for i in missing])
+            out[missing] = scores
+            with self._lock:
+                self._table.update(zip((keys[i] for i in missing), scores.tolist()))
+                self.counters["rank/scored_on_demand"] += len(missing)
+        unknown = np.isnan(out)
+        if unknown.any():
+            with self._lock:
+                self.counters["rank/unknown"] += int(unknown.sum())
+            out[unknown] = self.default_length
+        return out
+
+    def observe(self, keys: Sequence[str], lengths: Sequence[float]) -> None:
+        """Queue one batch of finished generations for the background refresh; returns at once."""
+        self._raise_if_failed()
+        keys = [str(k) for k in keys]
+        lens = [float(x) for x in lengths]
+        if len(keys) != len(lens):
+            raise ValueError(f"observe: {len(keys)} keys but {len(lens)} lengths")
+        bad = [(k, x) for k, x in zip(keys, lens) if not 0 <= x < float("inf")]
+        if bad:
+            raise ValueError(f"observe: lengths must be finite and >= 0, got (key, length) {bad[:5]}")
+        if not self.refresh_enabled:
+            return
+        with self._lock:
+            known = [i for i, k in enumerate(keys) if k in self._texts]
+            self.counters["rank/unregistered_skipped"] += len(keys) - len(known)
+            if not known:
+                return
+            self._busy += 1
+        self._queue.put(([keys[i] for i in known], [lens[i] for i in known]))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every observed batch is folded in (tests, benches); False on timeout."""
+        with self._idle:
+            ok = self._idle.wait_for(lambda: self._busy == 0 or self._error is not None, timeout=timeout)
+        self._raise_if_failed()
+        return ok
+
+    # ------------------------------------------------------------------------------ thread
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            keys, lens = item
+            try:
+                t0 = time.perf_counter()
+                with self._lock:
+                    texts = [self._texts[k] for k in keys]
+                    fitted = self._fitted
+                if fitted:
+                    self.ranker.update(texts, lens, keys)
+                else:
+                    self.ranker.fit(texts, lens, keys)
+                    with self._lock:
+                        self._fitted = True
+                self._rescore()
+                with self._lock:
+                    self.counters["rank/refreshes"] += 1
+                    self.counters["rank/refresh_s"] = time.perf_counter() - t0
+            except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller's thread
+                log.error("ranker refresh failed: %r", exc)
+                with self._lock:
+                    self._error = exc
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _rescore(self) -> None:
+        """Score every registered prompt with the current ranker and swap the table in."""
+        with self._lock:
+            keys = list(self._texts)
+            texts = [self._texts[k] for k in keys]
+        scores = self.ranker.score(texts, keys) if keys else np.zeros(0)
+        with self._lock:
+            self._table = dict(zip(keys, scores.tolist()))
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the ranker's background refresh failed: {self._error!r}") from self._error
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.counters)
+
+
+def batch_rank_metrics(predicted: Sequence[float], actual: Sequence[float], prefix: str = "rank/") -> dict[str, float]:
+    """Recall of the true longest 20/10/5% and Spearman of one batch's predictions (namespaced).
+
+    Spearman is NaN when the predictions (or the lengths) are all equal, e.g. before the first fit.
+    """
+    if len(predicted) != len(actual):
+        raise ValueError(f"{len(predicted)} predictions but {len(actual)} actual lengths")
+    if len(actual) < 2:
+        return {}
+    return {f"{prefix}{k}": v for k, v in rank_metrics(actual, predicted).items()}
