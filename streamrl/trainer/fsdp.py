@@ -1,0 +1,176 @@
+"""Data-parallel training of the policy with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+One process per rank (one GPU each on a GPU node, NCCL; or CPU processes over gloo, which is how
+the tests run it). Every rank holds 1/W of each parameter; a forward all-gathers a layer's
+parameters, the backward reduce-scatters its gradients (averaged over ranks).
+
+Dataflow of one optimizer step (``FSDPTrainer.train_step(items)``)::
+
+    the same item list on every rank --shard_items--> rank r's items (token-balanced, deterministic)
+    per rank: micro-batches by the token budget, padded to the SAME count on every rank with
+              zero-loss micro-steps (each forward/backward is a collective: unequal counts hang)
+    loss denominator = all-rank response tokens / W  (so the rank-average of gradients equals
+              the single-process token-mean gradient over all items)
+    clip by the global grad norm (DTensor) -> AdamW on the local shards
+
+``policy_state()`` gathers the full state dict (a collective: call it on every rank); rank 0
+gets the tensors on CPU, in the parameters' dtype, for the weight push to the generation
+instances.
+
+Precision: with ``param_dtype="bfloat16"`` the sharded master weights and optimizer state stay
+fp32, forward/backward run in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``),
+the usual recipe for RL post-training on GPUs.
+
+Limits: GRPO without a reference model (``trainer.kl_coef == 0``) and without a critic; the
+reference would be sharded the same way (not done yet).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from streamrl.config import Config
+from streamrl.trainer import losses
+from streamrl.trainer.trainer import Prepared, Trainer, _pad, _per_token, micro_batches
+
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str | None = None) -> str:
+    """Join the process group (``nccl`` when CUDA is available, else ``gloo``); returns the backend."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return backend
+
+
+def shard_policy(model: torch.nn.Module, param_dtype: str = "float32") -> torch.nn.Module:
+    """Apply FSDP2 to a Hugging Face causal LM: one shard group per decoder layer, then the root
+    (embeddings, final norm and the, possibly tied, head). In place; returns ``model``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype={param_dtype!r}: expected one of {sorted(PARAM_DTYPES)}")
+    mp = MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no .model.layers: not a decoder-only HF causal LM")
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def shard_items(items: list[Prepared], world_size: int) -> list[list[Prepared]]:
+    """Split ``items`` over ranks, longest first onto the least-loaded rank (by tokens); each
+    rank keeps the original order of its items. Deterministic: every rank computes the same split."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    loads = [0] * world_size
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-items[i].num_tokens, i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += items[i].num_tokens
+    return [[p for p, o in zip(items, owner) if o == r] for r in range(world_size)]
+
+
+class FSDPTrainer(Trainer):
+    """The Trainer on one rank of an FSDP2 group (call every method on every rank)."""
+
+    def __init__(self, cfg: Config, policy_path: str | None = None, param_dtype: str = "float32") -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPTrainer needs torch.distributed initialised (see init_distributed)")
+        if cfg.trainer.kl_coef > 0 or cfg.trainer.algo != "grpo":
+            raise ValueError(f"FSDPTrainer supports GRPO without a reference model; got trainer.algo="
+                             f"{cfg.trainer.algo!r}, trainer.kl_coef={cfg.trainer.kl_coef}")
+        super().__init__(cfg, policy_path)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        shard_policy(self.model, param_dtype)
+        # fully_shard swaps in DTensor parameters: the optimizer must be built on those.
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        self._device = next(self.model.parameters()).device
+
+    def train_step(self, items: list[Prepared]) -> dict[str, float]:
+        if not items:
+            raise ValueError("train_step needs at least one sample")
+        mine = shard_items(items, self.world_size)
+        per_rank_mbs = [micro_batches(share, self.tcfg.micro_batch_tokens) if share else [] for share in mine]
+        n_micro = max(len(m) for m in per_rank_mbs)
+        denom = float(sum(p.num_response_tokens for p in items)) / self.world_size
+        self.opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        local = per_rank_mbs[self.rank]
+        local_tokens = float(sum(p.num_response_tokens for p in mine[self.rank]))
+        for i in range(n_micro):
+            if i < len(local):
+                for key, value in self._micro_step(local[i], denom).items():
+                    weight = sum(p.num_response_tokens for p in local[i]) / local_tokens
+                    sums[key] = sums.get(key, 0.0) + value * weight
+            else:
+                self._empty_micro_step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.opt.step()
+        self.steps += 1
+        sums.update({"train/grad_norm": float(grad_norm), "train/tokens": sum(p.num_tokens for p in items),
+                     "train/samples": len(items), "train/rank_samples": len(mine[self.rank])})
+        return sums
+
+    def _empty_micro_step(self) -> None:
+        """Join the collectives of a micro-step with no data of ours: zero loss, zero gradient."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self._device)
+        logits = self.model(input_ids=ids).logits
+        (logits.float().sum() * 0.0).backward()
+
+    def _micro_step(self, mb: list[Prepared], total_tokens: float) -> dict[str, float]:
+        """The GRPO policy-gradient micro-step of ``Trainer._micro_step``, on this rank's device."""
+        ids, attn, mask = (t.to(self._device) for t in _pad(mb, self.pad_id))
+        width = ids.shape[1]
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+        old = _per_token(mb, "old_logprobs", width).to(self._device)
+        adv = _per_token(mb, "advantages", width).to(self._device)
+        loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)
+        loss.backward()
+        metrics = {f"train/{k}": v for k, v in m.items()}
+        metrics["train/pg_loss"] = float(loss.detach()) * total_tokens / max(float(mask.sum()), 1.0)
+        return metrics
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) state dict on CPU: on rank 0; other ranks get ``{}``. A collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def run_rank(rank: int, world_size: int, port: int, job: dict[str, Any], out_dir: str) -> None:
+    """One rank of a CPU (gloo) FSDP2 step, the entry point of ``torch.multiprocessing.spawn`` in
+    tests and dry checks: join the group, build the trainer from ``job["cfg_tree"]`` and
+    ``job["policy_path"]``, take one step on ``job["items"]``, and save the metrics and (rank 0)
+    the full state dict to ``out_dir/rank{rank}.pt``."""
+    from streamrl.config import config_from_dict
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world_size, "127.0.0.1", port, backend="gloo")
+    try:
+        trainer = FSDPTrainer(config_from_dict(job["cfg_tree"]), job["policy_path"],
+                              param_dtype=job.get("param_dtype", "float32"))
+        metrics = trainer.train_step(job["items"])
+        state = trainer.policy_state()
+        torch.save({"rank": rank, "metrics": metrics, "state": state}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
