@@ -79,7 +79,10 @@ class TaskConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    engine: Literal["transformers"] = "transformers"
+    engine: Literal["transformers", "vllm"] = Field("transformers", description="generation backend; vllm needs "
+                                                    "the vllm package (`make test-vllm` builds .venv-vllm)")
+    vllm: dict[str, Any] = Field(default_factory=dict, description="extra VLLMEngine settings when engine=vllm: "
+                                 "dtype, device, multiprocessing, enforce_eager, gpu_memory_utilization, engine_args")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(200, ge=1)
@@ -133,6 +136,36 @@ class TrainerConfig(_Section):
     lam: float = Field(0.95, ge=0, le=1)
 
 
+class NodeGroupConfig(_Section):
+    """Identical nodes of a (possibly heterogeneous) GPU cluster, named by a Ray resource label."""
+
+    gpu_type: str = Field(..., min_length=1, description="Ray resource label of these GPUs, e.g. H800; start "
+                          "Ray on such a node with --num-gpus=8 --resources='{\"H800\": 8}'")
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=1)
+    cpus_per_node: int = Field(32, ge=1)
+
+
+class PlacementConfig(_Section):
+    """Where the trainer ranks and generation instances run (``streamrl.placement`` plans it).
+
+    ``device: cpu`` is the embedded default (actors with CPUs only). With ``device: cuda`` the
+    trainer is ``trainer_gpus`` FSDP2 ranks in one Ray placement group and every generation
+    instance has its own ``gen_gpus_per_instance`` GPUs; ``*_gpu_type`` pins each side to GPUs
+    carrying that resource label (a heterogeneous cluster: e.g. trainer on H800, vLLM on H20)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    nodes: list[NodeGroupConfig] = Field(default_factory=list, description="the cluster, for the plan and its "
+                                         "dry run; empty = the local machine (live runs read Ray's resources)")
+    trainer_gpus: int = Field(1, ge=1, description="FSDP2 world size (one Ray worker per GPU)")
+    trainer_gpu_type: str | None = None
+    trainer_dtype: Literal["float32", "bfloat16"] = Field("float32", description="FSDP2 compute dtype "
+                                                         "(bfloat16: fp32 master weights, fp32 gradient reduce)")
+    gen_gpus_per_instance: int = Field(1, ge=1, description="tensor-parallel size of each vLLM instance")
+    gen_gpu_type: str | None = None
+    cpus_per_gpu: int = Field(4, ge=1, description="CPUs reserved beside each GPU worker")
+
+
 class LoggingConfig(_Section):
     tensorboard: bool = True
     jsonl: bool = True
@@ -148,6 +181,7 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     ranker: RankerConfig = RankerConfig()
     logging: LoggingConfig = LoggingConfig()
+    placement: PlacementConfig = PlacementConfig()
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

@@ -7,6 +7,8 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="run RL post-training (config file + dotted overrides)")
     p.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4 mode=stream-sync")
+    p.add_argument("--dry-run", action="store_true", help="validate the config, print the placement plan and "
+                   "the inputs a run would read, then exit (no Ray, no torch, no GPU needed)")
     add_out_argument(p)
     p.set_defaults(handler="streamrl.commands.train:run")
 
@@ -15,6 +17,8 @@ def run(args) -> int:
     from streamrl.config import load_cli_config
 
     cfg = load_cli_config(args.config, args.overrides)  # fails before any work on a bad key or value
+    if getattr(args, "dry_run", False):
+        return _dry_run(cfg, args)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -38,4 +42,17 @@ def run(args) -> int:
         print(f"training reward: {trend['first_third_mean']:.3f} over the first third of the iterations, "
               f"{trend['last_third_mean']:.3f} over the last third (least-squares slope {trend['slope_per_iter']:+.4f}/iteration)")
     write_json(args.out, {"rows": rows, "summary": summary})
+    return 0
+
+
+def _dry_run(cfg, args) -> int:
+    from streamrl.metrics.report import write_json
+    from streamrl.placement import dry_run, format_plan, plan_placement
+
+    report = dry_run(cfg)
+    print(format_plan(plan_placement(cfg)))
+    for key in ("mode", "engine", "policy", "policy_present", "task_file", "task_file_present"):
+        if key in report:
+            print(f"  {key}: {report[key]}")
+    write_json(args.out, report)
     return 0

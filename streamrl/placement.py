@@ -1,0 +1,214 @@
+"""Placement: which node and GPUs each trainer rank and generation instance gets.
+
+``plan_placement(cfg)`` is a pure function of the config (no Ray, no torch): it checks that the
+cluster described in ``placement.nodes`` can hold the run and assigns every worker a node and
+GPU indices, first fit, in this order:
+
+    trainer: ``trainer_gpus`` FSDP2 ranks on GPUs labelled ``trainer_gpu_type`` (any type when
+             unset), one node if one can hold them all (Ray strategy STRICT_PACK, NVLink), else
+             packed over as few nodes as possible (PACK);
+    generation: ``num_instances`` vLLM instances of ``gen_gpus_per_instance`` GPUs each, every
+             instance inside one node (tensor parallelism stays on NVLink), on GPUs labelled
+             ``gen_gpu_type``, never on a GPU the trainer holds (disaggregated: separate GPUs).
+
+The same bundles are what a live run asks Ray for: each bundle is ``{"CPU": c, "GPU": g,
+"<gpu_type>": g}``, so a heterogeneous cluster is expressed with Ray custom resources (start the
+H20 nodes with ``--resources='{"H20": 8}'``). ``streamrl train CONFIG --dry-run`` prints the plan
+on any machine, GPU or not. A plan that does not fit fails here, naming the key and the numbers,
+instead of Ray waiting forever for resources that never come.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamrl.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One worker's share of the cluster."""
+
+    role: str
+    """``trainer-rank-<r>`` or ``gen-<i>``."""
+    resources: dict[str, float]
+    """The Ray bundle (``CPU``, ``GPU`` and the GPU-type label)."""
+    node: str
+    """Planned node, ``<gpu_type>-<index>`` (``local`` on CPU)."""
+    gpus: tuple[int, ...] = ()
+    """Planned GPU indices on that node."""
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    gpu_type: str
+    gpus: int
+    cpus: int
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    device: str
+    nodes: tuple[Node, ...]
+    trainer: tuple[Bundle, ...]
+    trainer_strategy: str
+    """Ray placement-group strategy of the trainer ranks: STRICT_PACK (one node) or PACK."""
+    generation: tuple[Bundle, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def gpus_used(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for b in self.trainer + self.generation:
+            if not b.gpus:
+                continue
+            gpu_type = b.node.rsplit("-", 1)[0]
+            used[gpu_type] = used.get(gpu_type, 0) + len(b.gpus)
+        return used
+
+
+def plan_placement(cfg: Config) -> PlacementPlan:
+    if cfg.placement.device == "cpu":
+        return _plan_cpu(cfg)
+    return _plan_gpu(cfg)
+
+
+def _plan_cpu(cfg: Config) -> PlacementPlan:
+    g, t = cfg.generation, cfg.trainer
+    node = Node("local", "cpu", 0, cfg.cluster.num_cpus)
+    trainer = (Bundle("trainer-rank-0", {"CPU": float(t.threads)}, node.name),)
+    gen = tuple(Bundle(f"gen-{i}", {"CPU": float(g.threads_per_instance), **g.resources}, node.name)
+                for i in range(g.num_instances))
+    need = sum(b.resources["CPU"] for b in trainer + gen)
+    notes = []
+    if cfg.mode == "colocated":
+        notes.append("colocated: one worker time-shares generation and training")
+    elif need > cfg.cluster.num_cpus and cfg.cluster.address is None:
+        raise ConfigError(f"placement: trainer.threads ({t.threads}) + generation.num_instances ({g.num_instances}) x "
+                          f"generation.threads_per_instance ({g.threads_per_instance}) = {need:g} CPUs, but "
+                          f"cluster.num_cpus={cfg.cluster.num_cpus}")
+    return PlacementPlan("cpu", (node,), trainer, "PACK", gen, tuple(notes))
+
+
+def _plan_gpu(cfg: Config) -> PlacementPlan:
+    p, g = cfg.placement, cfg.generation
+    if not p.nodes:
+        raise ConfigError("placement.nodes is empty: describe the GPU cluster (gpu_type, nodes, gpus_per_node) "
+                          "for placement.device=cuda")
+    if g.engine != "vllm":
+        raise ConfigError(f"placement.device=cuda needs generation.engine=vllm (got {g.engine!r}); the transformers "
+                          "backend is the CPU engine")
+    if g.vllm.get("device", "cpu") != "cuda":
+        raise ConfigError(f"placement.device=cuda but generation.vllm.device={g.vllm.get('device', 'cpu')!r}; "
+                          "set generation.vllm.device=cuda")
+    if cfg.mode == "colocated":
+        raise ConfigError("placement.device=cuda plans disaggregated modes (trainer and vLLM on separate GPUs); "
+                          "mode=colocated is not supported on GPU yet")
+    nodes = tuple(Node(f"{grp.gpu_type}-{i}", grp.gpu_type, grp.gpus_per_node, grp.cpus_per_node)
+                  for grp in p.nodes for i in range(grp.nodes))
+    free = {n.name: list(range(n.gpus)) for n in nodes}
+    cpus_free = {n.name: n.cpus for n in nodes}
+
+    def candidates(gpu_type: str | None) -> list[Node]:
+        return [n for n in nodes if gpu_type is None or n.gpu_type == gpu_type]
+
+    def capacity(gpu_type: str | None) -> int:
+        return sum(len(free[n.name]) for n in candidates(gpu_type))
+
+    def take(node: Node, k: int, role: str) -> Bundle:
+        gpus = tuple(free[node.name][:k])
+        del free[node.name][:k]
+        cpus_free[node.name] -= p.cpus_per_gpu * k
+        if cpus_free[node.name] < 0:
+            raise ConfigError(f"placement: node {node.name} has {node.cpus} CPUs, fewer than placement.cpus_per_gpu="
+                              f"{p.cpus_per_gpu} x its {node.gpus} GPUs")
+        return Bundle(role, {"CPU": float(p.cpus_per_gpu * k), "GPU": float(k), node.gpu_type: float(k)}, node.name, gpus)
+
+    # Trainer: one node if possible, else fill the emptiest nodes first.
+    kind = p.trainer_gpu_type
+    if capacity(kind) < p.trainer_gpus:
+        raise ConfigError(f"placement: the trainer needs placement.trainer_gpus={p.trainer_gpus} GPUs of type "
+                          f"{kind or 'any'}, the cluster has {capacity(kind)} ({_describe(nodes)})")
+    one = [n for n in candidates(kind) if len(free[n.name]) >= p.trainer_gpus]
+    trainer: list[Bundle] = []
+    if one:
+        node = one[0]
+        trainer = [take(node, 1, f"trainer-rank-{r}") for r in range(p.trainer_gpus)]
+        strategy = "STRICT_PACK"
+    else:
+        strategy = "PACK"
+        for r in range(p.trainer_gpus):
+            node = max(candidates(kind), key=lambda n: len(free[n.name]))
+            trainer.append(take(node, 1, f"trainer-rank-{r}"))
+
+    # Generation: whole instances inside one node each.
+    tp, gkind = p.gen_gpus_per_instance, p.gen_gpu_type
+    if not candidates(gkind):
+        raise ConfigError(f"placement.gen_gpu_type={gkind!r}: no node of that type in placement.nodes ({_describe(nodes)})")
+    if not any(n.gpus >= tp for n in candidates(gkind)):
+        raise ConfigError(f"placement.gen_gpus_per_instance={tp} is more than any {gkind or ''} node's GPUs "
+                          f"({_describe(candidates(gkind) or nodes)})")
+    gen: list[Bundle] = []
+    for i in range(g.num_instances):
+        fits = [n for n in candidates(gkind) if len(free[n.name]) >= tp]
+        if not fits:
+            raise ConfigError(f"placement: generation.num_instances={g.num_instances} x placement.gen_gpus_per_instance="
+                              f"{tp} GPUs of type {gkind or 'any'} do not fit beside the trainer's "
+                              f"{p.trainer_gpus}: only {i} instances fit ({_describe(nodes)})")
+        gen.append(take(fits[0], tp, f"gen-{i}"))
+    notes = [f"trainer: FSDP2 over {p.trainer_gpus} ranks, {p.trainer_dtype}, placement group {strategy}",
+             f"generation: {g.num_instances} vLLM instances x {tp} GPUs (tensor parallel {tp})"]
+    if kind and gkind and kind != gkind:
+        notes.append(f"heterogeneous: trainer on {kind}, generation on {gkind} (weights cross node types each "
+                     "iteration)")
+    return PlacementPlan("cuda", nodes, tuple(trainer), strategy, tuple(gen), tuple(notes))
+
+
+def _describe(nodes) -> str:
+    groups: dict[str, list[int]] = {}
+    for n in nodes:
+        groups.setdefault(n.gpu_type, []).append(n.gpus)
+    return ", ".join(f"{len(v)} x {k} node(s) with {v[0]} GPUs" for k, v in groups.items())
+
+
+def format_plan(plan: PlacementPlan) -> str:
+    lines = [f"placement plan ({plan.device})", f"  {'worker':<16} {'node':<12} {'gpus':<14} resources"]
+    for b in plan.trainer + plan.generation:
+        gpus = ",".join(map(str, b.gpus)) or "-"
+        res = ", ".join(f"{k}={v:g}" for k, v in b.resources.items())
+        lines.append(f"  {b.role:<16} {b.node:<12} {gpus:<14} {res}")
+    used = plan.gpus_used()
+    for n in plan.nodes:
+        if n.gpus:
+            taken = sum(len(b.gpus) for b in plan.trainer + plan.generation if b.node == n.name)
+            lines.append(f"  node {n.name}: {taken}/{n.gpus} GPUs used")
+    if used:
+        lines.append("  GPUs by type: " + ", ".join(f"{k}={v}" for k, v in sorted(used.items())))
+    lines += [f"  note: {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def dry_run(cfg: Config) -> dict[str, Any]:
+    """What ``streamrl train --dry-run`` reports: the plan and the inputs a real run would read
+    (checked for presence here, not loaded: no torch, no Ray, no GPU)."""
+    plan = plan_placement(cfg)
+    policy = Path(cfg.policy.path)
+    report: dict[str, Any] = {
+        "mode": cfg.mode, "engine": cfg.generation.engine, "device": cfg.placement.device,
+        "policy": str(policy), "policy_present": (policy / "config.json").is_file(),
+        "trainer_ranks": len(plan.trainer), "generation_instances": len(plan.generation),
+        "gpus_by_type": plan.gpus_used(), "trainer_strategy": plan.trainer_strategy,
+        "plan": [{"role": b.role, "node": b.node, "gpus": list(b.gpus), "resources": b.resources}
+                 for b in plan.trainer + plan.generation],
+    }
+    if cfg.task.name != "synthetic":
+        from streamrl.tasks.math import DataError, resolve_data_path
+
+        try:
+            path = resolve_data_path(cfg.task.path, cfg.task.name)
+            report["task_file"], report["task_file_present"] = str(path), path.is_file()
+        except DataError as exc:
+            report["task_file"], report["task_file_present"] = f"unresolved: {exc}", False
+    return report
