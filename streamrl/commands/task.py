@@ -12,5 +12,7 @@ def register(sub) -> None:
     s.add_argument("overrides", nargs="*")
     s.add_argument("--prompts", type=int, default=256, help="training prompts to sample (default 256)")
     s.add_argument("--samples", type=int, default=4, help="samples per prompt (default 4)")
+    s.add_argument("--records", default=None, metavar="FILE.jsonl",
+                   help="also write one {key, text, length, step} record per sample (input of `streamrl rank eval --data samples`)")
     add_out_argument(s)
     s.set_defaults(handler="streamrl.tasks.stats:run")

@@ -80,10 +80,21 @@ def run(args) -> int:
     prompts = task.train_prompts()[: args.prompts]
     completions, tokenizer = sample_policy(cfg, prompts, args.samples, threads=cfg.cluster.num_cpus)
     by_id = {p.prompt_id: p for p in prompts}
-    correct = []
+    correct, records, seen = [], [], {}
     for c in completions:
         pid = c.request_id.split(":", 1)[1].rsplit("/", 1)[0]
         correct.append(task.reward(by_id[pid], tokenizer.decode(list(c.output_ids), skip_special_tokens=True)))
+        # One record per sample, numbered per prompt in completion order: `streamrl rank eval
+        # --data samples --file` holds out prompts, or samples of seen prompts, from these.
+        seen[pid] = seen.get(pid, -1) + 1
+        records.append({"key": pid, "text": by_id[pid].text, "length": len(c.output_ids), "step": seen[pid]})
+    if args.records:
+        import json
+        from pathlib import Path
+
+        Path(args.records).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.records).write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(f"{len(records)} (prompt, response length) records: {args.records}")
     figures = length_figures([len(c.prompt_ids) for c in completions], [len(c.output_ids) for c in completions])
     figures["sampled_accuracy"] = float(np.mean(correct))
     figures["truncated_frac"] = float(np.mean([c.finish_reason == "length" for c in completions]))
