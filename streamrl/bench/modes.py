@@ -13,6 +13,12 @@ generation and training times are the stages alone). The disaggregated modes all
 resources (trainer: ``trainer.threads`` CPUs; SGS: ``num_instances x threads_per_instance``);
 colocated gives both stages all ``cluster.num_cpus`` CPUs, and uses the same
 continuous-batching engine (no static batch waiting for its longest member).
+
+Scheduling variants: a mode name may carry a ``+variant`` suffix that switches scheduling
+policies on for that row, e.g. ``stream-async+skew`` = stream-async with skewness-aware dispatch
+(Algorithm 2), LPT order inside instances and the configured ranker (``ranker`` section; scored
+ahead, refreshed in the background each iteration). Its rows also carry the ranker's per-batch
+recall/Spearman, averaged over the timed iterations.
 """
 
 from __future__ import annotations
@@ -25,9 +31,30 @@ import numpy as np
 from streamrl.config import Config
 
 MODES = ("colocated", "disagg-batch", "stream-sync", "stream-async")
+VARIANTS: dict[str, dict[str, str]] = {
+    "skew": {"dispatch": "skewness-aware", "order": "lpt"},
+    "skew-rebalance": {"dispatch": "skewness-aware", "order": "lpt", "rebalance": True},
+}
+RANK_KEYS = ("rank/recall@20%", "rank/recall@10%", "rank/recall@5%", "rank/spearman")
 
 
-def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path) -> dict:
+def mode_config(cfg: Config, mode: str) -> Config:
+    """``cfg`` for one bench row: ``MODE`` or ``MODE+VARIANT`` (see the module docstring)."""
+    base, _, variant = mode.partition("+")
+    if base not in MODES:
+        raise ValueError(f"unknown mode {base!r} in {mode!r}; known: {list(MODES)}")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown scheduling variant {variant!r} in {mode!r}; known: {sorted(VARIANTS)}")
+    if variant and base == "colocated":
+        raise ValueError(f"{mode!r}: colocated mode has no SGS to dispatch over")
+    out = cfg.model_copy(deep=True)
+    out.mode = base
+    for key, value in VARIANTS.get(variant, {}).items():
+        setattr(out.generation, key, value)
+    return out
+
+
+def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str | None = None) -> dict:
     from streamrl.controller.common import PromptStream, make_task
     from streamrl.controller.driver import RunContext, make_pipeline
     from streamrl.metrics.timeline import gantt
@@ -69,12 +96,14 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path) -> dict:
     else:
         gen_busy = float(np.mean([summary.get(f"busy/{r}/generate", 0.0) for r in gen_rows])) if gen_rows else 0.0
         train_busy = summary.get("busy/trainer", 0.0)
+    name = name or cfg.mode
     out_dir.mkdir(parents=True, exist_ok=True)
-    png = out_dir / f"gantt_{cfg.mode}.png"
-    timeline.to_json(out_dir / f"timeline_{cfg.mode}.json")
-    gantt(timeline, png, title=f"{cfg.mode} ({cfg.trainer.algo}, {iterations} timed iterations)")
-    mean = lambda k: float(np.mean([m[k] for m in per_iter if k in m])) if any(k in m for m in per_iter) else float("nan")  # noqa: E731
-    return {"mode": cfg.mode, "samples_per_s": samples_n / wall, "tokens_per_s": tokens_n / wall,
+    png = out_dir / f"gantt_{name}.png"
+    timeline.to_json(out_dir / f"timeline_{name}.json")
+    gantt(timeline, png, title=f"{name} ({cfg.trainer.algo}, {iterations} timed iterations)")
+    mean = lambda k: float(np.nanmean([m[k] for m in per_iter if k in m])) if any(k in m for m in per_iter) else float("nan")  # noqa: E731
+    ranking = {k: mean(k) for k in RANK_KEYS if any(k in m for m in per_iter)}
+    return {"mode": name, **ranking, "samples_per_s": samples_n / wall, "tokens_per_s": tokens_n / wall,
             "step_s": wall / iterations, "gen_busy": gen_busy, "train_busy": train_busy,
             "gen_s": mean("time/gen_s"),
             # the trainer's whole stage: optimizer steps plus per-sample work (ref/critic forwards)
@@ -132,15 +161,14 @@ def thread_scaling(cfg: Config) -> list[dict]:
 def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=MODES, echo=print) -> dict:
     from streamrl.controller.driver import ensure_policy, init_ray
 
+    cfgs = {mode: mode_config(cfg, mode) for mode in modes}  # bad names fail before anything runs
     ensure_policy(cfg, echo)
     scaling = thread_scaling(cfg)
     init_ray(cfg)
     rows = []
     for mode in modes:
-        mcfg = cfg.model_copy(deep=True)
-        mcfg.mode = mode
         echo(f"bench: {mode} ({warmup} warm-up + {iterations} timed iterations)")
-        rows.append(run_mode(mcfg, warmup, iterations, out_dir))
+        rows.append(run_mode(cfgs[mode], warmup, iterations, out_dir, name=mode))
         echo(f"  {rows[-1]['samples_per_s']:.2f} samples/s, step {rows[-1]['step_s']:.2f}s")
     by_mode = {r["mode"]: r for r in rows}
     base = by_mode.get("disagg-batch")

@@ -1,4 +1,4 @@
-"""`streamrl bench modes [CONFIG] [overrides]`: throughput of the four pipeline modes."""
+"""`streamrl bench modes|scheduling [CONFIG] [overrides]`: pipeline-mode throughput; scheduling makespan."""
 
 from streamrl.metrics.report import add_out_argument
 
@@ -12,10 +12,29 @@ def register(sub) -> None:
     m.add_argument("overrides", nargs="*")
     m.add_argument("--iterations", type=int, default=6, help="timed iterations per mode (default 6)")
     m.add_argument("--warmup", type=int, default=1, help="untimed iterations per mode (default 1)")
-    m.add_argument("--modes", default="colocated,disagg-batch,stream-sync,stream-async")
+    m.add_argument("--modes", default="colocated,disagg-batch,stream-sync,stream-async",
+                   help="comma list; a mode may take a scheduling variant, e.g. stream-async+skew (skewness-aware "
+                        "dispatch, LPT order, the configured ranker)")
     m.add_argument("--out-dir", default="runs/bench_modes", help="Gantt PNGs and timelines")
     add_out_argument(m)
     m.set_defaults(handler="streamrl.commands.bench:run_modes")
+
+    s = bsub.add_parser("scheduling", help="generation makespan of one batch: random+FIFO vs skewness-aware "
+                                           "(ranker / oracle lengths) vs rebalancing, on real instances")
+    s.add_argument("config", nargs="?", default="configs/bench.yaml")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--prompts", type=int, default=512, help="distinct prompts in the batch, one response each (512)")
+    s.add_argument("--instances", type=int, default=2, help="generation instances, one thread each (2)")
+    s.add_argument("--batch", type=int, default=8,
+                   help="max_requests_per_batch of each instance (8: far below each instance's share, so requests "
+                        "queue; on the CPU engine a larger batch of long requests costs ~B^2 x context per step)")
+    s.add_argument("--repeats", type=int, default=2, help="runs per configuration (2)")
+    s.add_argument("--ranker", default="learned", help="ranker fitted on other prompts' lengths (learned)")
+    s.add_argument("--ranker-prompts", type=int, default=None, help="other prompts the ranker learns from (= --prompts)")
+    s.add_argument("--profile", default=None, help="PTL profile JSON; default: measure PTL(BS) here first")
+    s.add_argument("--configs", default=None, help="comma list of configurations (default: all six)")
+    add_out_argument(s)
+    s.set_defaults(handler="streamrl.commands.bench:run_scheduling")
 
 
 def run_modes(args) -> int:
@@ -34,10 +53,47 @@ def run_modes(args) -> int:
     print_table("generation and training tokens/s by thread count", result["thread_scaling"])
     cols = ["mode", "samples_per_s", "tokens_per_s", "step_s", "gen_s", "train_s", "gen_busy", "train_busy",
             "pipeline_efficiency", "speedup_vs_colocated"]
+    if any("rank/spearman" in r for r in result["rows"]):
+        cols += ["rank/recall@20%", "rank/recall@10%", "rank/recall@5%", "rank/spearman"]
     print_table(f"bench modes: {cfg.trainer.algo}, {cfg.generation.prompts_per_iter} prompts x "
                 f"{cfg.generation.n_samples} samples/iter, {args.iterations} timed iterations; training share of "
                 f"a disagg-batch step {result['train_share_of_step']:.2f}", result["rows"], cols)
     for r in result["rows"]:
         print(f"  {r['mode']}: Gantt {r['gantt']}")
+    write_json(args.out, result)
+    return 0
+
+
+def run_scheduling(args) -> int:
+    import logging
+
+    from streamrl.config import load_cli_config
+
+    cfg = load_cli_config(args.config, args.overrides, default="configs/bench.yaml")
+    logging.basicConfig(level=logging.WARNING)
+    from streamrl.bench.scheduling import CONFIGS, bench_scheduling
+    from streamrl.metrics.report import print_table, write_json
+
+    configs = CONFIGS
+    if args.configs:
+        by_name = {c.name: c for c in CONFIGS}
+        names = [n.strip() for n in args.configs.split(",") if n.strip()]
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise SystemExit(f"streamrl bench scheduling: unknown --configs {unknown}; known: {list(by_name)}")
+        configs = tuple(by_name[n] for n in names)
+    result = bench_scheduling(cfg, prompts=args.prompts, instances=args.instances, batch=args.batch,
+                              repeats=args.repeats, ranker=args.ranker, ranker_prompts=args.ranker_prompts,
+                              profile=args.profile, configs=configs)
+    su, lb = result["setup"], result["lower_bound"]
+    print_table(f"ranker ({args.ranker}, fitted on {result['ranker']['train_prompts']} other prompts) on the batch",
+                [result["ranker"]], ["ranker", "recall@20%", "recall@10%", "recall@5%", "spearman", "fit_s", "score_s"])
+    print_table(f"bench scheduling: {su['prompts']} prompts (greedy, mean {su['mean_len']:.0f} / p90 {su['p90_len']:.0f} / "
+                f"max {su['max_len']} tokens) on {su['instances']} instances, batch {su['batch']}, {su['repeats']} runs "
+                f"each; lower bound {lb['lower_bound_s']:.2f}s (longest alone {lb['longest_alone_s']:.2f}s, all tokens at "
+                f"peak {lb['all_tokens_at_peak_s']:.2f}s)", result["rows"],
+                ["config", "makespan_s", "makespan_min_s", "makespan_max_s", "vs_random_fifo", "vs_lower_bound",
+                 "moved", "length_match"])
+    print_table("targets", result["checks"], ["check", "value", "met"])
     write_json(args.out, result)
     return 0

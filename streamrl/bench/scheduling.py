@@ -1,0 +1,234 @@
+"""`streamrl bench scheduling`: generation makespan of one large batch under each scheduling policy.
+
+One pool of ``instances`` real generation instances (the SGS; one thread each), one batch of
+``prompts`` distinct synthetic-task prompts (one response each), and for each configuration the
+wall time from submitting the batch to its last sampled token (engine timestamps):
+
+    random + FIFO                    random dispatch, arrival order (the baseline)
+    skew-aware + ranker              Algorithm 2 on the ranker's scores, LPT inside instances
+    skew-aware + oracle              Algorithm 2 on the true lengths, LPT
+    ... each again + rebalance       ``policies.rebalance`` moving not-yet-started requests
+
+Why greedy decoding. An oracle must know this run's lengths before the run. With sampling the
+lengths depend on the random stream, which the continuous-batching engine draws for the whole
+batch at once, so they change with the dispatch (which requests share a batch). Greedy decoding
+(``temperature=0``) makes each response a function of its prompt and the weights: the *recording
+run* generates the batch once and its lengths are the oracle for every later run. The table shows
+``length_match``, the fraction of requests whose length in the run equalled the recorded one (it
+can drop below 1 only where float rounding differs between batch compositions and flips an argmax).
+
+What the ranker sees. It is fitted on this policy's (greedy) lengths for *other* prompts of the
+task (``ranker_prompts`` of them, disjoint from the batch), then scores the batch ahead of the
+run: a held-out-prompt ranker, as in RL's first epoch. Its recall/Spearman on the batch against
+the recorded lengths are printed beside the table. Algorithm 2's P50/P90 come from the same other
+prompts' lengths (the "recent distribution"), never from the batch.
+
+Latency model and lower bound. PTL(BS) of one instance is measured here first (the engine with
+EOS unreachable, one thread, batch sizes up to ``batch``; ``sgs.engines.profile``) or read from
+``profile``. Dispatch and rebalancing read it. The lower bound is the longer of the longest
+sample alone (``PTL(1) x L_max``) and all tokens at the peak rate (``instances x max_b b / PTL(b)``,
+``b <= batch``); it ignores prefill and admission, so it is optimistic.
+
+Batch size. ``max_requests_per_batch`` (``batch``) is set well below each instance's share of
+the batch (``prompts / instances``), so requests queue inside an instance and their admission
+order matters: with FIFO a long request admitted late runs on alone at the end. Each
+configuration runs ``repeats`` times (random dispatch with a different seed each time), in a
+rotated order so slow drift of the machine does not favour one configuration; the table shows
+the mean and the range, and the machine's 1-minute load average before each run (``loadavg``:
+on a shared 2-core machine other processes slow the instances down, which is noise here).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from streamrl.config import Config
+
+
+@dataclass(frozen=True)
+class SchedConfig:
+    name: str
+    dispatch: str
+    order: str
+    predictions: str  # "none" | "ranker" | "oracle"
+    rebalance: bool
+
+
+CONFIGS = (
+    SchedConfig("random+fifo", "random", "fifo", "none", False),
+    SchedConfig("skew+ranker", "skewness-aware", "lpt", "ranker", False),
+    SchedConfig("skew+oracle", "skewness-aware", "lpt", "oracle", False),
+    SchedConfig("random+fifo+rebalance", "random", "fifo", "none", True),
+    SchedConfig("skew+ranker+rebalance", "skewness-aware", "lpt", "ranker", True),
+    SchedConfig("skew+oracle+rebalance", "skewness-aware", "lpt", "oracle", True),
+)
+TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75}
+
+
+def lower_bound_s(lengths, latency, instances: int, batch: int) -> dict[str, float]:
+    """The longer of the longest sample alone and all tokens at the engine's peak rate."""
+    sizes = [b for b, _ in latency.points if b <= batch] or [latency.points[0][0]]
+    peak = max(latency.tokens_per_s(b) for b in sizes)
+    longest = latency.seconds_per_token(1) * max(lengths)
+    all_tokens = float(sum(lengths)) / (instances * peak)
+    return {"lower_bound_s": max(longest, all_tokens), "longest_alone_s": longest, "all_tokens_at_peak_s": all_tokens,
+            "peak_tokens_per_s_per_instance": peak}
+
+
+def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
+    import torch
+
+    from streamrl.models.tiny import load_policy
+    from streamrl.planner.profile_live import measure_decode
+    from streamrl.policies.latency import from_measurements
+
+    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch} | {batch})
+    echo(f"scheduling: measuring PTL(BS) at batch sizes {sizes} (1 thread)")
+    model, tok = load_policy(cfg.policy.path)
+    prev = torch.get_num_threads()
+    try:
+        rows = measure_decode(cfg, model, tok, 1, sizes, prompt_len, 32, cfg.run.seed)
+    finally:
+        torch.set_num_threads(prev)
+    return from_measurements([r["batch_size"] for r in rows], [r["ms_per_token"] for r in rows],
+                             engine=cfg.generation.engine, model=cfg.policy.path, device="cpu")
+
+
+def _run(sgs, requests, predicted) -> dict:
+    t0 = time.time()
+    done = list(sgs.generate(requests, predicted))
+    end = max(c.t_end for c in done)
+    by_inst: dict[str, float] = {}
+    for c in done:
+        by_inst[c.instance] = max(by_inst.get(c.instance, 0.0), c.t_end - t0)
+    return {"makespan_s": end - t0, "lengths": {c.request_id: len(c.output_ids) for c in done},
+            "instance_end_s": by_inst}
+
+
+def bench_scheduling(cfg: Config, prompts: int = 512, instances: int = 2, batch: int = 16, repeats: int = 2,
+                     ranker: str = "learned", ranker_prompts: int | None = None, profile: str | None = None,
+                     configs=CONFIGS, echo=print) -> dict:
+    from streamrl.controller.common import RequestBuilder, make_task
+    from streamrl.controller.driver import ensure_policy, init_ray
+    from streamrl.models.tiny import load_policy
+    from streamrl.policies.latency import latency_to_dict, load_profile
+    from streamrl.ranker.base import make_ranker
+    from streamrl.ranker.metrics import rank_metrics
+    from streamrl.sgs.service import StreamGenerationService
+
+    if instances < 2:
+        raise ValueError(f"instances={instances}: the scheduling bench needs >= 2 generation instances")
+    if prompts < 2 * instances:
+        raise ValueError(f"prompts={prompts}: need at least 2 per instance ({2 * instances})")
+    if batch < 1 or repeats < 1:
+        raise ValueError(f"batch={batch} and repeats={repeats} must be >= 1")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; known: {[c.name for c in CONFIGS]}")
+    ranker_prompts = ranker_prompts or prompts
+    cfg = cfg.model_copy(deep=True)
+    g = cfg.generation
+    g.num_instances, g.threads_per_instance, g.max_requests_per_batch, g.n_samples = instances, 1, batch, 1
+    ensure_policy(cfg, echo)
+    task = make_task(cfg)
+    pool = list(task.train_prompts())
+    if len(pool) < prompts + ranker_prompts:
+        raise ValueError(f"the task has {len(pool)} training prompts; need prompts + ranker_prompts = "
+                         f"{prompts + ranker_prompts} (raise task.num_train)")
+    random.Random(cfg.run.seed).shuffle(pool)
+    batch_prompts, other_prompts = pool[:prompts], pool[prompts:prompts + ranker_prompts]
+    _, tok = load_policy(cfg.policy.path)
+    builder = RequestBuilder(tok, cfg)
+    prompt_len = float(np.mean([len(r.prompt_ids) for r in builder.build(batch_prompts[:64], 0)]))
+    latency = load_profile(profile) if profile else _measure_latency(cfg, batch, round(prompt_len), echo)
+
+    init_ray(cfg)
+    sgs = StreamGenerationService(cfg, ranker=None, engine_overrides={"temperature": 0.0}, hold_back=True)
+    sgs.latency = latency  # rebalancing's model: the PTL measured (or read) above
+    try:
+        for _ in range(instances):
+            sgs.add_instance()
+        list(sgs.generate(builder.build(other_prompts[: 2 * batch * instances], 0, tag="warmup-")))
+        echo(f"scheduling: recording run ({prompts} prompts, greedy) and ranker data ({ranker_prompts} other prompts)")
+        sgs.configure("round-robin", "fifo", False)
+        rec = _run(sgs, builder.build(batch_prompts, 0, tag="record-"), None)
+        oracle = {rid.split(":", 1)[1].rsplit("/", 1)[0]: n for rid, n in rec["lengths"].items()}
+        other = _run(sgs, builder.build(other_prompts, 0, tag="rankdata-"), None)
+        other_len = {rid.split(":", 1)[1].rsplit("/", 1)[0]: n for rid, n in other["lengths"].items()}
+        text_of = {p.prompt_id: p.text for p in pool}
+        t_fit = time.perf_counter()
+        rk = make_ranker(ranker).fit([text_of[k] for k in other_len], list(other_len.values()), list(other_len))
+        fit_s = time.perf_counter() - t_fit
+        t_score = time.perf_counter()
+        scores = dict(zip([p.prompt_id for p in batch_prompts],
+                          rk.score([p.text for p in batch_prompts], [p.prompt_id for p in batch_prompts]).tolist()))
+        score_s = time.perf_counter() - t_score
+        true = [oracle[p.prompt_id] for p in batch_prompts]
+        ranker_row = {"ranker": ranker, **rank_metrics(true, [scores[p.prompt_id] for p in batch_prompts]),
+                      "fit_s": fit_s, "score_s": score_s, "train_prompts": len(other_len)}
+        history = list(other_len.values())
+        bound = lower_bound_s(true, latency, instances, batch)
+
+        runs: dict[str, list[dict]] = {c.name: [] for c in configs}
+        for rep in range(repeats):
+            shift = rep % len(configs)
+            for c in list(configs[shift:]) + list(configs[:shift]):
+                kwargs = ({"seed": cfg.run.seed + rep} if c.dispatch == "random" else
+                          {"latency": latency, "alpha": g.skew_alpha, "max_batch_size": batch, "history": history})
+                sgs.configure(c.dispatch, c.order, c.rebalance, kwargs)
+                reqs = builder.build(batch_prompts, 0, tag=f"{c.name}-{rep}-")
+                pred = None if c.predictions == "none" else [
+                    float((scores if c.predictions == "ranker" else oracle)[r.prompt_id]) for r in reqs]
+                moved0 = sgs.counters["sgs/rebalanced"]
+                load = os.getloadavg()[0]
+                res = _run(sgs, reqs, pred)
+                res["loadavg_1m_before"] = load
+                res["moved"] = sgs.counters["sgs/rebalanced"] - moved0
+                res["length_match"] = float(np.mean([res["lengths"][r.request_id] == oracle[r.prompt_id] for r in reqs]))
+                res["tokens"] = sum(res["lengths"].values())
+                del res["lengths"]
+                runs[c.name].append(res)
+                echo(f"  {c.name:24s} rep {rep}: makespan {res['makespan_s']:.2f}s, moved {res['moved']}, "
+                     f"length match {res['length_match']:.3f}")
+    finally:
+        sgs.shutdown()
+    return _summarise(configs, runs, bound, ranker_row, latency_to_dict(latency), rec, dict(
+        prompts=prompts, instances=instances, batch=batch, repeats=repeats, max_new_tokens=g.max_new_tokens,
+        policy=cfg.policy.path, rebalance_threshold=g.rebalance_threshold, skew_alpha=g.skew_alpha,
+        total_tokens=int(sum(true)), mean_len=float(np.mean(true)), p50_len=float(np.percentile(true, 50)),
+        p90_len=float(np.percentile(true, 90)), max_len=int(max(true)), decoding="greedy"))
+
+
+def _summarise(configs, runs, bound, ranker_row, latency, rec, setup) -> dict:
+    rows = []
+    base = np.mean([r["makespan_s"] for r in runs["random+fifo"]]) if runs.get("random+fifo") else float("nan")
+    for c in configs:
+        ms = [r["makespan_s"] for r in runs[c.name]]
+        mean = float(np.mean(ms))
+        rows.append({"config": c.name, "dispatch": c.dispatch, "order": c.order, "predictions": c.predictions,
+                     "rebalance": c.rebalance, "makespan_s": mean, "makespan_min_s": float(min(ms)),
+                     "makespan_max_s": float(max(ms)), "makespan_median_s": float(np.median(ms)),
+                     "vs_random_fifo": mean / base,
+                     "vs_lower_bound": mean / bound["lower_bound_s"],
+                     "moved": float(np.mean([r["moved"] for r in runs[c.name]])),
+                     "length_match": float(np.mean([r["length_match"] for r in runs[c.name]])),
+                     "runs": runs[c.name]})
+    by = {r["config"]: r for r in rows}
+    checks = []
+    for name, target in TARGETS.items():
+        if name in by:
+            checks.append({"check": f"{name} <= {target} x random+fifo", "value": by[name]["vs_random_fifo"],
+                           "met": bool(by[name]["vs_random_fifo"] <= target)})
+    for c in configs:
+        if c.rebalance and c.name.replace("+rebalance", "") in by:
+            plain = by[c.name.replace("+rebalance", "")]
+            checks.append({"check": f"{c.name} <= {plain['config']}", "value": by[c.name]["makespan_s"] / plain["makespan_s"],
+                           "met": bool(by[c.name]["makespan_s"] <= plain["makespan_s"])})
+    setup["loadavg_1m_mean"] = float(np.mean([r["loadavg_1m_before"] for rs in runs.values() for r in rs]))
+    return {"setup": setup, "rows": rows, "checks": checks, "lower_bound": bound, "ranker": ranker_row,
+            "latency_profile": latency, "recording_run_s": rec["makespan_s"]}

@@ -1,0 +1,38 @@
+"""Scheduling benches: the pieces that need no engine (mode variants, the makespan lower bound)."""
+
+import pytest
+
+from streamrl.bench.modes import mode_config
+from streamrl.bench.scheduling import lower_bound_s
+from streamrl.config import load_config
+from streamrl.policies.latency import LatencyModel
+
+
+def test_mode_variant_switches_on_skewness_aware_dispatch_and_lpt():
+    cfg = load_config(None, ["generation.dispatch=random"])
+    skew = mode_config(cfg, "stream-async+skew")
+    assert (skew.mode, skew.generation.dispatch, skew.generation.order) == ("stream-async", "skewness-aware", "lpt")
+    plain = mode_config(cfg, "stream-async")
+    assert (plain.generation.dispatch, plain.generation.order) == ("random", "fifo")
+    assert cfg.mode == "colocated"  # the caller's config is not modified
+
+
+def test_mode_variant_rejects_unknown_names_naming_them():
+    cfg = load_config(None, [])
+    with pytest.raises(ValueError, match="'fast'"):
+        mode_config(cfg, "stream-async+fast")
+    with pytest.raises(ValueError, match="'turbo'"):
+        mode_config(cfg, "turbo")
+    with pytest.raises(ValueError, match="colocated"):
+        mode_config(cfg, "colocated+skew")
+
+
+def test_lower_bound_is_the_longer_of_longest_alone_and_all_tokens_at_peak():
+    # PTL: 10 ms at BS 1, 20 ms at BS 4 -> peak 4 / 0.02 = 200 tokens/s per instance (BS <= 4).
+    lat = LatencyModel(((1, 10.0), (4, 20.0), (8, 80.0)))
+    lb = lower_bound_s([100, 10, 10, 10], lat, instances=2, batch=4)
+    assert lb["longest_alone_s"] == pytest.approx(1.0)          # 100 tokens x 10 ms
+    assert lb["all_tokens_at_peak_s"] == pytest.approx(130 / 400)  # 130 tokens at 2 x 200 tokens/s
+    assert lb["lower_bound_s"] == pytest.approx(1.0)
+    many = lower_bound_s([50] * 40, lat, instances=2, batch=4)
+    assert many["lower_bound_s"] == pytest.approx(2000 / 400)  # the token term dominates
