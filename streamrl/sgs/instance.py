@@ -137,6 +137,10 @@ class GenerationInstance:
     def version(self) -> int:
         return self.engine.version
 
+    def cpu_seconds(self) -> float:
+        """CPU time this process has used (all threads): busy time that other processes cannot inflate."""
+        return time.process_time()
+
     def stats(self) -> dict:
         return self.engine.stats()
 
