@@ -269,7 +269,7 @@ def test_update_weights_rejects_wrong_names_and_shapes(backend, checkpoint, engi
         e.update_weights(sd, version=1)
 
 
-def test_bad_requests_and_settings_fail_loudly(engine_factory):
+def test_bad_requests_and_settings_fail_loudly(checkpoint, engine_factory):
     with pytest.raises(ValueError, match="top_p=1.5"):
         engine_factory(top_p=1.5)
     e = engine_factory()
@@ -283,4 +283,6 @@ def test_bad_requests_and_settings_fail_loudly(engine_factory):
     e.shutdown()
     with pytest.raises(EngineError, match="shut down"):
         e.add_request(req("late", 4))
+    with pytest.raises(EngineError, match="shut down"):  # raises, never waits for a loop that is gone
+        e.update_weights(load_model(checkpoint).state_dict(), version=9)
     assert e.get_completions(timeout=None) == []  # never hangs on a closed engine

@@ -300,15 +300,21 @@ class VLLMEngine(GenerationEngine):
                     while not (self._closed or self._jobs or self._aborts or self._inflight):
                         self._work_cv.wait(_IDLE_WAIT_S)
                     if self._closed:
+                        jobs, self._jobs = self._jobs, deque()
+                        for _, fut in jobs:
+                            fut.set_exception(EngineError(f"engine {self.instance!r} is shut down"))
                         return
                     jobs, self._jobs = self._jobs, deque()
                     aborts, self._aborts = self._aborts, []
-                for fn, fut in jobs:  # weight installs: between two steps
+                while jobs:  # weight installs: between two steps
+                    fn, fut = jobs.popleft()
                     try:
                         fn()
                         fut.set_result(None)
-                    except Exception as exc:  # the caller of update_weights gets it
+                    except Exception as exc:  # a failed install leaves the weights unknown: the loop dies
                         fut.set_exception(exc)
+                        with self._lock:
+                            self._jobs.extendleft(reversed(jobs))  # failed below, with the loop
                         raise
                 if aborts:
                     self._llm.abort_request(aborts)
@@ -430,7 +436,8 @@ class VLLMEngine(GenerationEngine):
                 self._version = version
 
         fut: Future = Future()
-        with self._lock:
+        with self._lock:  # checked and queued atomically: a dead or closed loop fails queued jobs
+            self._raise_if_unusable()
             self._jobs.append((install, fut))
             self._work_cv.notify_all()
         fut.result()
