@@ -210,7 +210,6 @@ def profile_decode(shape: str, device: str, batch_sizes, new_tokens: int, prompt
         step = max(full - one, 1e-9) / (new_tokens - 1)
         points.append({"batch_size": b, "ms_per_token": 1000 * step, "tokens_per_s": b / step})
         print(f"  decode bs={b:4d}: {1000 * step:8.2f} ms/token, {b / step:10.0f} tokens/s", flush=True)
-    del model
     return {"ok": all(p["ms_per_token"] > 0 for p in points), "points": points, "vocab": cfg.vocab_size}
 
 

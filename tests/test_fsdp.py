@@ -1,4 +1,5 @@
-"""FSDP2 on CPU: two gloo ranks take one optimizer step that matches a single-process step.
+"""FSDP2 on CPU: two gloo ranks, Ray actors in one placement group, take one optimizer step that
+matches a single-process step.
 
 This is the GPU trainer's code path (``streamrl.trainer.fsdp``) with the backend swapped: the
 parameters are really sharded (DTensors), the forward all-gathers, the backward reduce-scatters,
@@ -8,7 +9,6 @@ ranks with fewer micro-batches join with zero-loss micro-steps.
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
@@ -43,12 +43,6 @@ def _items(trainer: Trainer, n: int, seed: int = 0) -> list[Prepared]:
     return items
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_shard_items_balances_tokens_and_covers_every_item_once():
     items = [Prepared(input_ids=[0] * n, resp_start=1, old_logprobs=[0.0] * (n - 1), reward=0.0, version=0,
                       prompt_id=str(i)) for i, n in enumerate([9, 2, 7, 3, 3, 5, 1])]
@@ -63,10 +57,8 @@ def test_shard_items_balances_tokens_and_covers_every_item_once():
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp2_step_matches_a_single_process_step(tiny_policy_dir, tmp_path):
-    import torch.multiprocessing as mp
-
-    from streamrl.trainer.fsdp import run_rank
+def test_fsdp2_ranks_as_ray_workers_in_a_placement_group_step_like_one_process(ray_session, tiny_policy_dir):
+    from streamrl.trainer.fsdp import FSDPTrainerGroup
 
     cfg = _cfg(tiny_policy_dir)
     torch.set_num_threads(1)
@@ -74,15 +66,18 @@ def test_two_rank_fsdp2_step_matches_a_single_process_step(tiny_policy_dir, tmp_
     items = _items(single, 5)  # odd count, uneven lengths: the ranks get different micro-batch counts
     before = {k: v.clone() for k, v in single.model.state_dict().items()}
     ref_metrics = single.train_step(items)
-    job = {"cfg_tree": cfg.model_dump(), "policy_path": tiny_policy_dir, "items": items}
-    mp.spawn(run_rank, args=(2, _free_port(), job, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert r1["state"] == {} and r0["metrics"]["train/rank_samples"] + r1["metrics"]["train/rank_samples"] == 5
-    after = single.model.state_dict()
+    group = FSDPTrainerGroup(cfg, tiny_policy_dir, bundles=[{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
+    try:
+        assert group.world_size == 2 and group.backend == "gloo"
+        metrics = group.train_step(items)
+        assert sum(metrics["train/rank_samples"]) == 5 and min(metrics["train/rank_samples"]) >= 1
+        assert metrics["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], rel=1e-4)
+        state = group.policy_state()
+        assert group.finish_iteration() == 1
+    finally:
+        group.shutdown()
     moved = 0
-    for name, ref in after.items():
-        got = r0["state"][name]
-        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    for name, ref in single.model.state_dict().items():
+        torch.testing.assert_close(state[name], ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
         moved += int(not torch.equal(ref, before[name]))
-    assert moved > len(after) // 2  # the step really changed the weights, on both paths alike
-    assert r0["metrics"]["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], rel=1e-4)
+    assert moved > len(before) // 2  # the step really changed the weights, on both paths alike

@@ -21,6 +21,10 @@ Precision: with ``param_dtype="bfloat16"`` the sharded master weights and optimi
 fp32, forward/backward run in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``),
 the usual recipe for RL post-training on GPUs.
 
+Across Ray (``FSDPTrainerGroup``): one actor per rank, all inside one placement group whose
+bundles come from ``streamrl.placement`` (a GPU and its type label per rank), rendezvous at rank
+0's node; the caller drives every rank in lockstep with the same item list.
+
 Limits: GRPO without a reference model (``trainer.kl_coef == 0``) and without a critic; the
 reference would be sharded the same way (not done yet).
 """
@@ -28,7 +32,6 @@ reference would be sharded the same way (not done yet).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,20 +160,121 @@ class FSDPTrainer(Trainer):
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def run_rank(rank: int, world_size: int, port: int, job: dict[str, Any], out_dir: str) -> None:
-    """One rank of a CPU (gloo) FSDP2 step, the entry point of ``torch.multiprocessing.spawn`` in
-    tests and dry checks: join the group, build the trainer from ``job["cfg_tree"]`` and
-    ``job["policy_path"]``, take one step on ``job["items"]``, and save the metrics and (rank 0)
-    the full state dict to ``out_dir/rank{rank}.pt``."""
-    from streamrl.config import config_from_dict
+# ------------------------------------------------------------------------------- Ray workers
+def _worker_class():
+    """The Ray actor class of one FSDP2 rank (built lazily: importing this module needs no Ray)."""
+    import ray
 
-    torch.set_num_threads(1)
-    init_distributed(rank, world_size, "127.0.0.1", port, backend="gloo")
-    try:
-        trainer = FSDPTrainer(config_from_dict(job["cfg_tree"]), job["policy_path"],
-                              param_dtype=job.get("param_dtype", "float32"))
-        metrics = trainer.train_step(job["items"])
-        state = trainer.policy_state()
-        torch.save({"rank": rank, "metrics": metrics, "state": state}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    @ray.remote
+    class FSDPWorker:
+        def __init__(self, rank: int, world_size: int, cfg_tree: dict, policy_path: str | None, param_dtype: str,
+                     threads: int) -> None:
+            torch.set_num_threads(threads)
+            self.rank, self.world_size = rank, world_size
+            self.cfg_tree, self.policy_path, self.param_dtype = cfg_tree, policy_path, param_dtype
+            self.trainer: FSDPTrainer | None = None
+
+        def endpoint(self) -> tuple[str, int]:
+            import socket
+
+            import ray
+
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            return ray.util.get_node_ip_address(), port
+
+        def setup(self, master_addr: str, master_port: int, backend: str | None) -> str:
+            from streamrl.config import config_from_dict
+
+            backend = init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
+            self.trainer = FSDPTrainer(config_from_dict(self.cfg_tree), self.policy_path, self.param_dtype)
+            return backend
+
+        def train_step(self, items: list[Prepared]) -> dict[str, float]:
+            return self.trainer.train_step(items)
+
+        def finish_iteration(self) -> int:
+            return self.trainer.finish_iteration()
+
+        def policy_state(self) -> dict[str, torch.Tensor]:
+            return self.trainer.policy_state()
+
+        def close(self) -> None:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    return FSDPWorker
+
+
+class FSDPTrainerGroup:
+    """``world_size`` FSDP2 ranks as Ray actors inside ONE placement group (so the ranks are
+    co-scheduled or not at all), driven in lockstep from the caller.
+
+    ``bundles`` default to the trainer bundles of ``placement.plan_placement(cfg)`` (GPU and
+    GPU-type label per rank on a GPU cluster); pass ``[{"CPU": 1}] * 2`` for CPU ranks over gloo.
+    Rank 0's node address and a free port on it become the rendezvous point."""
+
+    def __init__(self, cfg: Config, policy_path: str | None = None, bundles: list[dict[str, float]] | None = None,
+                 strategy: str | None = None, backend: str | None = None, ready_timeout_s: float = 120.0) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if bundles is None:
+            from streamrl.placement import plan_placement
+
+            plan = plan_placement(cfg)
+            bundles, strategy = [dict(b.resources) for b in plan.trainer], strategy or plan.trainer_strategy
+        if not bundles:
+            raise ValueError("FSDPTrainerGroup needs at least one bundle (one per rank)")
+        self.world_size = len(bundles)
+        self.pg = placement_group(bundles, strategy=strategy or "PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(f"placement group for {self.world_size} trainer ranks {bundles} ({strategy}) not "
+                               f"ready after {ready_timeout_s:.0f}s: the cluster lacks the resources "
+                               f"(available: {ray.available_resources()})") from None
+        worker = _worker_class()
+        dtype = cfg.placement.trainer_dtype
+        self.workers = []
+        for rank, b in enumerate(bundles):
+            labels = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
+            self.workers.append(worker.options(
+                num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=labels,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote(rank, self.world_size, cfg.model_dump(), policy_path, dtype, max(1, int(b.get("CPU", 1)))))
+        addr, port = ray.get(self.workers[0].endpoint.remote())
+        self.backend = ray.get([w.setup.remote(addr, port, backend) for w in self.workers])[0]
+
+    def train_step(self, items: list[Prepared]) -> dict[str, float]:
+        """One optimizer step over ``items`` split across the ranks; rank 0's metrics, plus the
+        per-rank sample counts."""
+        import ray
+
+        results = ray.get([w.train_step.remote(items) for w in self.workers])
+        metrics = dict(results[0])
+        metrics["train/rank_samples"] = [r["train/rank_samples"] for r in results]
+        return metrics
+
+    def finish_iteration(self) -> int:
+        import ray
+
+        return ray.get([w.finish_iteration.remote() for w in self.workers])[0]
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The full state dict (gathered by every rank, returned by rank 0)."""
+        import ray
+
+        return ray.get([w.policy_state.remote() for w in self.workers])[0]
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        ray.get([w.close.remote() for w in self.workers])
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)
