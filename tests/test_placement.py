@@ -84,3 +84,10 @@ def test_train_dry_run_prints_the_plan_without_starting_anything(tmp_path, capsy
     report = json.loads(out.read_text())
     assert report["trainer_ranks"] == 8 and report["generation_instances"] == 16
     assert report["policy_present"] is False  # the checkpoint lives on the GPU cluster, not here
+
+
+def test_a_live_gpu_run_refuses_until_the_pipelines_are_wired(capsys):
+    from streamrl.cli import main
+
+    assert main(["train", str(CONFIGS / "gpu-qwen2.5-0.5b-gsm8k.yaml")]) == 2
+    assert "not wired into the pipelines yet" in capsys.readouterr().err
