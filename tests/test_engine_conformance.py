@@ -286,3 +286,15 @@ def test_bad_requests_and_settings_fail_loudly(checkpoint, engine_factory):
     with pytest.raises(EngineError, match="shut down"):  # raises, never waits for a loop that is gone
         e.update_weights(load_model(checkpoint).state_dict(), version=9)
     assert e.get_completions(timeout=None) == []  # never hangs on a closed engine
+
+
+def test_vllm_work_dirs_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    """A killed Ray actor never runs ``shutdown``: the next vLLM engine clears its shm leftovers."""
+    from streamrl.sgs.engines.vllm_engine import _remove_stale_workdirs
+
+    dead, alive = tmp_path / "streamrl-vllm-gen-0-999999999-abc", tmp_path / f"streamrl-vllm-gen-1-{os.getpid()}-xyz"
+    other = tmp_path / "unrelated-999999999"
+    for d in (dead, alive, other):
+        d.mkdir()
+    _remove_stale_workdirs(tmp_path)
+    assert not dead.exists() and alive.exists() and other.exists()

@@ -129,64 +129,70 @@ class VLLMEngine(GenerationEngine):
         _check(Path(shm_root).is_dir(), "shm_root", shm_root, "an existing directory (weights are staged there)")
 
         self.instance = instance
-        self._workdir = Path(tempfile.mkdtemp(prefix=f"streamrl-vllm-{instance or 'engine'}-", dir=shm_root))
-        self._update_dir = self._workdir / "update"
-        self._update_dir.mkdir()
-        self._checkpoint = self._stage_checkpoint(model)
-        hf_cfg = json.loads((self._checkpoint / "config.json").read_text())
-        self._vocab_size = int(hf_cfg["vocab_size"])
-        self._tied = bool(hf_cfg.get("tie_word_embeddings", False))
-        self._shapes = _checkpoint_shapes(self._checkpoint)
-        if self._tied and "lm_head.weight" not in self._shapes and "model.embed_tokens.weight" in self._shapes:
-            self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
-        head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
-        if device == "cpu":
-            _check(head_dim in CPU_HEAD_SIZES, "head_dim (hidden_size / num_attention_heads)", head_dim,
-                   f"one of {CPU_HEAD_SIZES} on vLLM's CPU backend")
-        max_model_len = int(hf_cfg.get("max_position_embeddings", num_blocks * page_size))
-        # vLLM keeps one block back (its null block): a sequence can use num_blocks - 1 of them.
-        self._max_seq_tokens = min(max_model_len, (num_blocks - 1) * page_size)
+        _remove_stale_workdirs(Path(shm_root))
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"streamrl-vllm-{instance or 'engine'}-{os.getpid()}-",
+                                              dir=shm_root))
+        try:  # nothing of ours stays in shm if the engine cannot start
+            self._update_dir = self._workdir / "update"
+            self._update_dir.mkdir()
+            self._checkpoint = self._stage_checkpoint(model)
+            hf_cfg = json.loads((self._checkpoint / "config.json").read_text())
+            self._vocab_size = int(hf_cfg["vocab_size"])
+            self._tied = bool(hf_cfg.get("tie_word_embeddings", False))
+            self._shapes = _checkpoint_shapes(self._checkpoint)
+            if self._tied and "lm_head.weight" not in self._shapes and "model.embed_tokens.weight" in self._shapes:
+                self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
+            head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
+            if device == "cpu":
+                _check(head_dim in CPU_HEAD_SIZES, "head_dim (hidden_size / num_attention_heads)", head_dim,
+                       f"one of {CPU_HEAD_SIZES} on vLLM's CPU backend")
+            max_model_len = int(hf_cfg.get("max_position_embeddings", num_blocks * page_size))
+            # vLLM keeps one block back (its null block): a sequence can use num_blocks - 1 of them.
+            self._max_seq_tokens = min(max_model_len, (num_blocks - 1) * page_size)
 
-        eos_list = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        for e in eos_list:
-            _check(0 <= e < self._vocab_size, "eos_token_id", eos_token_id, f"within the vocabulary [0, {self._vocab_size})")
-        self._eos_ids = frozenset(eos_list)
-        self._max_inflight = max_inflight
-        self.settings = dict(temperature=temperature, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                             max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_requests_per_batch,
-                             num_blocks=num_blocks, page_size=page_size, num_threads=num_threads,
-                             max_inflight=max_inflight, seed=seed, dtype=dtype, device=device,
-                             multiprocessing=multiprocessing, enforce_eager=enforce_eager)
+            eos_list = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+            for e in eos_list:
+                _check(0 <= e < self._vocab_size, "eos_token_id", eos_token_id, f"within the vocabulary [0, {self._vocab_size})")
+            self._eos_ids = frozenset(eos_list)
+            self._max_inflight = max_inflight
+            self.settings = dict(temperature=temperature, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                 max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_requests_per_batch,
+                                 num_blocks=num_blocks, page_size=page_size, num_threads=num_threads,
+                                 max_inflight=max_inflight, seed=seed, dtype=dtype, device=device,
+                                 multiprocessing=multiprocessing, enforce_eager=enforce_eager)
 
-        # Environment read by vLLM when the engine starts (explicit settings win over the caller's env).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        if device == "cpu":
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-            if cpu_bind is not None:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        import torch
+            # Environment read by vLLM when the engine starts (explicit settings win over the caller's env).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            if device == "cpu":
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+                if cpu_bind is not None:
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            import torch
 
-        # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the
-        # latter with a no-op process-wide once any engine has started.
-        torch._C.set_num_threads(num_threads)
-        self._num_threads = num_threads
-        from vllm import EngineArgs, SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.llm_engine import LLMEngine
+            # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the
+            # latter with a no-op process-wide once any engine has started.
+            torch._C.set_num_threads(num_threads)
+            self._num_threads = num_threads
+            from vllm import EngineArgs, SamplingParams
+            from vllm.sampling_params import RequestOutputKind
+            from vllm.v1.engine.llm_engine import LLMEngine
 
-        args = dict(
-            model=str(self._checkpoint), skip_tokenizer_init=True, dtype=dtype, seed=0 if seed is None else seed,
-            max_num_seqs=max_requests_per_batch, max_num_batched_tokens=max(max_batch_tokens, self._max_seq_tokens),
-            block_size=page_size, num_gpu_blocks_override=num_blocks, max_model_len=self._max_seq_tokens,
-            enable_prefix_caching=False, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-            disable_log_stats=True,
-        )
-        if device == "cuda":
-            args["gpu_memory_utilization"] = gpu_memory_utilization
-        args.update(engine_args or {})
-        self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+            args = dict(
+                model=str(self._checkpoint), skip_tokenizer_init=True, dtype=dtype, seed=0 if seed is None else seed,
+                max_num_seqs=max_requests_per_batch, max_num_batched_tokens=max(max_batch_tokens, self._max_seq_tokens),
+                block_size=page_size, num_gpu_blocks_override=num_blocks, max_model_len=self._max_seq_tokens,
+                enable_prefix_caching=False, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+                disable_log_stats=True,
+            )
+            if device == "cuda":
+                args["gpu_memory_utilization"] = gpu_memory_utilization
+            args.update(engine_args or {})
+            self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+        except BaseException:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
         greedy = temperature == 0
         self._params = SamplingParams(
             temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0, logprobs=0,
@@ -508,6 +514,22 @@ class VLLMEngine(GenerationEngine):
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r}: expected {expected}")
+
+
+def _remove_stale_workdirs(root: Path) -> None:
+    """Remove work dirs left in shm by engines whose process is gone (a Ray actor killed with
+    ``ray.kill`` never runs ``shutdown``). The dir name carries the owner's pid."""
+    for d in root.glob("streamrl-vllm-*"):
+        parts = d.name.split("-")
+        pid = next((int(x) for x in reversed(parts[:-1]) if x.isdigit()), None)
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
