@@ -156,3 +156,101 @@ def test_simulate_cli_writes_json(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["system"] for r in rows} == {"colocated", "stream-async"}
     assert all(r["samples_per_s"] > 0 and r["model"] == "qwen2.5-7b" and r["gpus"] == 32 for r in rows)
+
+
+def test_profiled_train_charges_per_sequence_and_per_token():
+    t = C.ProfiledTrain(1000.0, per_seq_s=0.01)
+    assert np.allclose(t.seq_train_s([10, 20]), [0.02, 0.03])
+    assert np.isclose(C.ProfiledTrain(1000.0, devices=2, per_seq_s=0.01).train_s([10, 20]), 0.025)
+    assert np.isclose(C.ProfiledTrain(1000.0).train_s([10, 20]), 0.03)  # combined rate: tokens only
+
+
+def tiny_profile(colocated: bool = True) -> dict:
+    """A profile in ``streamrl profile``'s format with round numbers (split trainer form)."""
+    prof = {"points": [{"batch_size": 1, "ms_per_token": 2.0}, {"batch_size": 64, "ms_per_token": 10.0}],
+            "train_tokens_per_s": 1000.0, "threads": 1, "prompt_len_mean": 10.0,
+            "prefill": {"s_per_request": 0.001, "tokens_per_s": 10 / 0.001},
+            "train": {"train_tokens_per_s": 1000.0, "train_step_tokens_per_s": 2000.0, "prepare_unit": "sample",
+                      "prepare_s_per_unit": 0.01, "prepare_s_per_token": 0.0}}
+    if colocated:
+        prof["colocated"] = {"threads": 2, "points": [{"batch_size": 1, "ms_per_token": 4.0},
+                                                      {"batch_size": 64, "ms_per_token": 20.0}],
+                             "train_tokens_per_s": 800.0,
+                             "prefill": {"s_per_request": 0.002, "tokens_per_s": 10 / 0.002},
+                             "train": {"train_step_tokens_per_s": 4000.0, "prepare_unit": "sample",
+                                       "prepare_s_per_unit": 0.02, "prepare_s_per_token": 0.0}}
+    return prof
+
+
+def test_live_colocated_step_is_generation_plus_install_plus_training():
+    """One instance, 128 requests of equal length L, at most 64 running: two waves of 64
+    admissions + prefills and L decode steps at PTL(64); then the weight install; then 128 x
+    (per-sample prepare + (p + L) tokens at the optimizer-step rate), all from the profile's
+    colocated (2-thread) numbers."""
+    from streamrl.sim import live
+
+    L, n = 20, 128
+    res = live.simulate_tiny_modes(tiny_profile(), prompts_per_iter=32, n_samples=4, max_new_tokens=200,
+                                   lengths=[L], iterations=3, modes=("colocated", "disagg-batch"))
+    rows = {r["mode"]: r for r in res["rows"]}
+    gen = n * 0.002 + 2 * L * 0.020
+    train = n * (0.02 + (10 + L) / 4000.0)
+    assert rows["colocated"]["sim_gen_s"] == pytest.approx(gen)
+    assert rows["colocated"]["sim_train_s"] == pytest.approx(train)
+    assert rows["colocated"]["sim_step_s"] == pytest.approx(gen + live.WEIGHT_INSTALL_S + train)
+    # disaggregated: 1-thread numbers, nothing overlaps in disagg-batch
+    gen1, train1 = n * 0.001 + 2 * L * 0.010, n * (0.01 + (10 + L) / 2000.0)
+    assert rows["disagg-batch"]["sim_gen_s"] == pytest.approx(gen1)
+    assert rows["disagg-batch"]["sim_train_s"] == pytest.approx(train1)
+    assert rows["disagg-batch"]["sim_step_s"] == pytest.approx(gen1 + train1, rel=1e-3)  # + a tiny-weight push
+
+
+def test_live_falls_back_to_combined_rate_and_thread_scaling():
+    from streamrl.sim import live
+
+    prof = tiny_profile(colocated=False)
+    del prof["train"], prof["prefill"]
+    scaling = [{"threads": 1, "gen_tokens_per_s": 100.0, "train_tokens_per_s": 100.0},
+               {"threads": 2, "gen_tokens_per_s": 50.0, "train_tokens_per_s": 200.0}]
+    res = live.simulate_tiny_modes(prof, prompts_per_iter=32, n_samples=4, max_new_tokens=200, lengths=[20],
+                                   iterations=2, modes=("colocated",), thread_scaling=scaling)
+    row = res["rows"][0]
+    assert row["sim_train_s"] == pytest.approx(128 * 30 / 2000.0)  # 1000 tok/s x 2 (training twice as fast)
+    assert row["sim_gen_s"] == pytest.approx(2 * 20 * 0.020)  # generation half as fast
+
+
+def test_fit_per_sample_recovers_overhead_and_slope():
+    from streamrl.planner.profile_live import fit_per_sample
+
+    toks = [10, 20, 30, 40]
+    a, b = fit_per_sample([0.005 + 1e-4 * x for x in toks], toks)
+    assert a == pytest.approx(0.005) and b == pytest.approx(1e-4)
+    a, b = fit_per_sample([0.01, 0.01, 0.01], [10, 20, 30])  # flat: per-call overhead only
+    assert a == pytest.approx(0.01) and b == pytest.approx(0.0, abs=1e-12)
+    a, b = fit_per_sample([1e-4 * x - 1e-4 for x in toks], toks)  # negative intercept: through the origin
+    assert a == 0.0 and b > 0
+
+
+def test_sim_elastic_applies_the_rule_each_iteration():
+    from streamrl.policies.elastic import should_add_instance
+    from streamrl.sim.experiments import elastic
+
+    res = elastic(iterations=6)
+    rows, tp = res["iterations"], res["tp"]
+    assert any(r["added"] for r in rows)
+    for r, nxt in zip(rows, rows[1:]):
+        t_plus = r["t_gen_s"] - r["delta_prime_s"]
+        assert r["added"] == int(should_add_instance(r["t_gen_s"], r["t_train_s"], t_plus))
+        assert nxt["gen_gpus"] == r["gen_gpus"] + tp * r["added"]
+        assert nxt["train_gpus"] == r["train_gpus"]
+
+
+def test_fit_prefill_takes_the_per_request_slope():
+    from streamrl.planner.profile_live import fit_prefill
+
+    ptl = [{"batch_size": b, "ms_per_token": 2.0} for b in (1, 8, 64)]
+    one = [{"batch_size": b, "one_token_s": 0.004 + 0.002 + 0.0005 * b, "prompt_len": 10} for b in (1, 8, 64)]
+    pf = fit_prefill(one, ptl)
+    assert pf["s_per_request"] == pytest.approx(0.0005)
+    assert pf["fixed_s"] == pytest.approx(0.004)
+    assert pf["tokens_per_s"] == pytest.approx(10 / 0.0005)

@@ -8,23 +8,40 @@ What is measured, all on the configured policy and with real tokens (nothing is 
   the requested length. ``sgs.engines.profile.profile_decode_latency`` takes the difference of an
   ``new_tokens``-token run and a 1-token run at each batch size, which removes prefill and
   admission. Prompts are random tokens of the workload's mean prompt length.
-* **Trainer tokens/s** at ``trainer.threads`` threads: the engine (EOS reachable) first generates
+* **Admission + prefill per request**: the same engine's one-token runs at each batch size;
+  ``fit_prefill`` fits ``one_token_s(b) - PTL(b) = c + d * b`` and stores ``d`` (seconds per
+  admitted request, and ``prompt_len / d`` as prefill tokens/s) under ``"prefill"``. The
+  simulator charges it per admitted request (``sim.cost.ProfiledDecode``); without it, generation
+  is under-estimated by the prompts' prefill.
+* Every timed piece is the median of ``repeats`` (``REPEATS``) measurements: the typical cost,
+  which is what the bench's means over iterations see on a quiet machine. Profile on a quiet
+  machine: other processes only add time, and far more to a 2-thread OpenMP team than to one
+  thread (``REPEATS``'s note).
+* **Trainer costs** at ``trainer.threads`` threads: the engine (EOS reachable) first generates
   one iteration of the real workload (``prompts_per_iter x n_samples`` synthetic-task requests),
   the samples are scored with the task reward, then one untimed warm-up step and ``train_steps``
   timed steps run, each exactly what the live trainer does with a dynamic batch: ``prepare`` per
-  group (reference log-probs, critic values, GAE for PPO) and one ``Trainer.train_step``.
-  Tokens/s = (prompt + response tokens) / (prepare + step seconds): the unit ``sim.cost.ProfiledTrain``
-  charges per sequence.
+  live unit (reference log-probs, critic values, GAE for PPO; the unit is one sample for PPO and a
+  prompt's group for GRPO, as ``controller/pipelines.py`` and ``controller/colocated.py`` cut
+  them) and one ``Trainer.train_step``. Recorded: the combined rate ``train_tokens_per_s`` =
+  (prompt + response tokens) / (prepare + step seconds), the optimizer steps' own
+  ``train_step_tokens_per_s``, and the per-unit prepare cost fitted over the timed units as
+  ``prepare_s_per_unit + prepare_s_per_token * tokens``. On the tiny policy a PPO unit's
+  prepare is two batch-1 forwards (reference, critic), dominated by per-call overhead rather than
+  tokens, so charging it per token (as the combined rate does) is only right at the profiled
+  length; ``sim.live`` uses the split form.
 * **Colocated numbers** (optional, ``colocated_threads``; default ``cluster.num_cpus``): both of the
-  above again at the colocated worker's thread count, stored under ``"colocated"``; skipped when
-  that equals the disaggregated thread counts or is 0.
+  above again at the colocated worker's thread count, in its process layout (``measure_colocated``:
+  an engine alive beside the trainer, which changes libgomp's spinning), stored under
+  ``"colocated"``; skipped when that equals the disaggregated thread counts or is 0.
 
 The profile file is ``policies.latency``'s format plus extra keys::
 
     {"engine": "transformers", "model": "tiny-policy", "device": "cpu", "points": [...],
      "train_tokens_per_s": ..., "threads": 1, "trainer_threads": 1, "params": 1234567,
      "prompt_len_mean": 21.3, "new_tokens": 32, "train": {...}, "sample_out_lens": [...],
-     "shape": {...}, "colocated": {"threads": 2, "points": [...], "train_tokens_per_s": ...}}
+     "shape": {...}, "prefill": {"s_per_request": ..., "tokens_per_s": ..., "rows": [...]},
+     "colocated": {"threads": 2, "points": [...], "train_tokens_per_s": ..., "train": {...}, "prefill": {...}}}
 
 ``sample_out_lens`` are the output lengths of the generated iteration (the policy's own length
 distribution at profiling time; ``simulate modes`` can replay them).
@@ -38,6 +55,8 @@ import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from streamrl.config import Config
 
@@ -70,19 +89,102 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def measure_decode(cfg: Config, model, tokenizer, threads: int, batch_sizes: Sequence[int], prompt_len: int,
-                   new_tokens: int, seed: int) -> list[dict[str, float]]:
-    """PTL(BS) rows of one engine instance at ``threads`` threads (EOS unreachable)."""
+REPEATS = 3
+"""Each timed piece (a PTL point, a one-token run, a unit's prepare, an optimizer step) is measured
+this many times and the median kept. Medians, not minima: the bench reports means over
+iterations, and on a quiet machine two profiles taken 30 minutes apart with minima differed by
+27% in optimizer-step rate (1731 vs 2204 tokens/s) while each was 11-13% off the bench's own.
+Neither statistic rescues a loaded machine: a 2-thread OpenMP team is slowed far more than one
+thread by a competing process (measured: under a load of ~10 on the 2 cores, 128 per-sample
+prepares took 6.1 s at 1 thread and 51.9 s at 2 threads while the fastest single call was 8.8 vs
+9.6 ms)."""
+
+
+def decode_engine(cfg: Config, model, tokenizer, threads: int, seed: int):
+    """The configured engine at ``threads`` threads, built like the live SGS and colocated worker
+    build it (``controller.colocated.engine_kwargs``) except that EOS is unreachable."""
     from streamrl.controller.colocated import engine_kwargs
     from streamrl.sgs.engines.base import make_engine
-    from streamrl.sgs.engines.profile import profile_decode_latency
 
     kw = {**engine_kwargs(cfg, tokenizer, threads, "profile", seed), "eos_token_id": None}
-    engine = make_engine(cfg.generation.engine, copy.deepcopy(model).eval(), **kw)
+    return make_engine(cfg.generation.engine, copy.deepcopy(model).eval(), **kw)
+
+
+def decode_rows(engine, vocab: int, batch_sizes: Sequence[int], prompt_len: int, new_tokens: int, seed: int,
+                repeats: int = REPEATS) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """PTL(BS) rows of ``engine`` (median of ``repeats``) and its one-token rows: wall seconds to
+    admit ``batch_size`` requests, prefill their prompts and return one token each
+    (``fit_prefill`` turns them into a prefill cost)."""
+    from streamrl.sgs.engines.profile import _engine_run, _prompts, profile_decode_latency
+
+    runs: dict[int, list[dict[str, float]]] = {}
+    one: dict[int, list[float]] = {}
+    for _ in range(max(1, repeats)):
+        for r in profile_decode_latency(engine, list(batch_sizes), prompt_len=prompt_len, new_tokens=new_tokens, seed=seed):
+            runs.setdefault(int(r["batch_size"]), []).append(r)
+        for b in batch_sizes:
+            one.setdefault(b, []).append(_engine_run(engine, _prompts(b, prompt_len, vocab, seed + 1), 1)[0])
+    rows = []
+    for b in sorted(runs):
+        ms = float(np.median([r["ms_per_token"] for r in runs[b]]))
+        rows.append({"batch_size": b, "ms_per_token": ms, "tokens_per_s": b / (ms / 1000.0) if ms > 0 else float("inf")})
+    return rows, [{"batch_size": b, "one_token_s": float(np.median(one[b])), "prompt_len": prompt_len} for b in sorted(one)]
+
+
+def measure_decode(cfg: Config, model, tokenizer, threads: int, batch_sizes: Sequence[int], prompt_len: int,
+                   new_tokens: int, seed: int, repeats: int = REPEATS) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """``decode_rows`` of a fresh engine at ``threads`` threads (shut down afterwards)."""
+    engine = decode_engine(cfg, model, tokenizer, threads, seed)
     try:
-        return profile_decode_latency(engine, list(batch_sizes), prompt_len=prompt_len, new_tokens=new_tokens, seed=seed)
+        return decode_rows(engine, int(model.config.get_text_config().vocab_size), batch_sizes, prompt_len,
+                           new_tokens, seed, repeats)
     finally:
         engine.shutdown()
+
+
+def measure_colocated(cfg: Config, model, tokenizer, samples: list, threads: int, batch_sizes: Sequence[int],
+                      prompt_len: int, new_tokens: int, train_steps: int, repeats: int = REPEATS) -> dict[str, Any]:
+    """Generation and training costs at ``threads`` threads in the colocated worker's process
+    layout: an engine and a trainer alive in one process, each with its own OpenMP team.
+
+    The layout matters on a small CPU: libgomp spins ~300k iterations at a barrier before sleeping,
+    but only 100 when it manages more threads than there are CPUs, which is the case as soon as
+    the engine's loop thread and the trainer's thread each hold a team of ``threads``. The workers
+    then sleep on a futex after every parallel region and each region pays a wake-up. Measured on
+    the tiny policy, 2 threads, 2 CPUs, quiet machine: the colocated PPO train body took 2.3-2.4 s
+    with ~25 voluntary context switches and no engine, 3.7-3.8 s with ~19,900 with an idle engine
+    alive (the same 3.5-3.6 s as ``OMP_WAIT_POLICY=PASSIVE`` without one), 2.2 s again after the
+    engine's shutdown; at 1 thread 2.6-2.8 s either way. So the trainer is measured here while an
+    engine that has generated is alive, and the decode latency after the trainer's team exists.
+    """
+    from streamrl.sgs.engines.profile import _engine_run, _prompts
+
+    vocab = int(model.config.get_text_config().vocab_size)
+    engine = decode_engine(cfg, model, tokenizer, threads, cfg.run.seed)
+    try:
+        _engine_run(engine, _prompts(8, prompt_len, vocab, cfg.run.seed), 4)  # its loop thread's team exists now
+        train = measure_train(cfg, samples, threads, train_steps, repeats)
+        points, one = decode_rows(engine, vocab, batch_sizes, prompt_len, new_tokens, cfg.run.seed, repeats)
+    finally:
+        engine.shutdown()
+    return {"threads": threads, "layout": "engine and trainer in one process (as controller.colocated.ColocatedWorker)",
+            "points": [{"batch_size": r["batch_size"], "ms_per_token": r["ms_per_token"]} for r in points],
+            "train_tokens_per_s": train["train_tokens_per_s"], "train": train, "rows": points,
+            "prefill": {**fit_prefill(one, points), "rows": one}}
+
+
+def fit_prefill(one_rows: Sequence[dict], ptl_rows: Sequence[dict]) -> dict[str, float]:
+    """Per-request admission + prefill cost from the one-token runs: ``one_token_s(b) - PTL(b)``
+    (the run's own decode step) is fitted as ``c + d * b`` over the batch sizes; ``d`` is the
+    cost of one more request (its prompt's prefill and its admission), reported also as a rate per
+    prompt token (the simulator's ``prefill_s(tokens)`` charges per admitted request's tokens)."""
+    ptl = {int(r["batch_size"]): r["ms_per_token"] / 1000.0 for r in ptl_rows}
+    xs = [int(r["batch_size"]) for r in one_rows if int(r["batch_size"]) in ptl]
+    ys = [float(r["one_token_s"]) - ptl[int(r["batch_size"])] for r in one_rows if int(r["batch_size"]) in ptl]
+    c, d = fit_per_sample(ys, xs)
+    p_len = float(one_rows[0]["prompt_len"]) if one_rows else 0.0
+    return {"s_per_request": d, "fixed_s": c, "prompt_len": p_len,
+            "tokens_per_s": p_len / d if d > 0 and p_len > 0 else float("inf")}
 
 
 def generate_samples(cfg: Config, model, tokenizer, task, threads: int) -> tuple[list, float]:
@@ -117,20 +219,71 @@ def _sample_group_tokens(group: list) -> int:
     return sum(len(s.completion.prompt_ids) + len(s.completion.output_ids) for s in group)
 
 
-def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3) -> dict[str, float]:
-    """Trainer tokens/s at ``threads`` threads: prepare + ``train_step`` on real samples."""
+def voluntary_switches() -> int:
+    """Voluntary context switches of this process so far, all threads (Linux; 0 elsewhere). An
+    OpenMP team whose workers sleep between parallel regions shows up here (one per region)."""
+    import glob
+
+    n = 0
+    for f in glob.glob("/proc/self/task/*/status"):
+        try:
+            with open(f) as fh:
+                n += sum(int(line.split()[1]) for line in fh if line.startswith("voluntary_ctxt_switches"))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return n
+
+
+def live_units(samples: list, algo: str) -> list[list]:
+    """The trainer's per-sample work units, as the live pipelines cut them
+    (``controller/pipelines.py`` and ``controller/colocated.py``): a prompt's group for GRPO
+    (advantages need the whole group), one sample for PPO. ``Trainer.prepare`` runs one
+    reference and one critic forward per unit, so the unit sets how many forwards there are."""
     from streamrl.controller.common import group_samples
+
+    return group_samples(samples) if algo == "grpo" else [[s] for s in samples]
+
+
+def fit_per_sample(seconds: Sequence[float], tokens: Sequence[int]) -> tuple[float, float]:
+    """Least-squares ``seconds = a + b * tokens`` over per-unit timings: ``(a, b)``, both >= 0
+    (a negative fitted term is noise: it is set to 0 and the other refitted through the data)."""
+    x, y = np.asarray(tokens, float), np.asarray(seconds, float)
+    if len(x) < 2 or np.ptp(x) == 0:
+        return float(y.mean()) if len(y) else 0.0, 0.0
+    b, a = np.polyfit(x, y, 1)
+    if a < 0:
+        return 0.0, float((x @ y) / (x @ x))
+    if b < 0:
+        return float(y.mean()), 0.0
+    return float(a), float(b)
+
+
+def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3, repeats: int = REPEATS) -> dict[str, float]:
+    """Trainer costs at ``threads`` threads, on real samples, exactly as the live trainer works:
+    ``prepare`` per live unit (``live_units``: one sample for PPO), then ``train_step`` per
+    dynamic batch. Returns the combined rate ``train_tokens_per_s`` (tokens / (prepare + step))
+    and its two parts: the optimizer steps' ``train_step_tokens_per_s`` and the per-unit
+    ``prepare`` cost fitted as ``prepare_s_per_unit + prepare_s_per_token * tokens``."""
     from streamrl.trainer.trainer import Trainer, dynamic_batches
 
     tcfg = cfg.model_copy(deep=True)
     tcfg.trainer.threads = threads
     tr = Trainer(tcfg)
-    batches = dynamic_batches(group_samples(samples), cfg.trainer.step_tokens, tokens=_sample_group_tokens)
+    units = live_units(samples, cfg.trainer.algo)
+    batches = dynamic_batches(units, cfg.trainer.step_tokens, tokens=_sample_group_tokens)
+    unit_s: list[float] = []
+    unit_tokens: list[int] = []
 
-    def one_step(batch: list[list]) -> tuple[float, float, int]:
+    def one_step(batch: list[list], record: bool) -> tuple[float, float, int]:
         tr.begin_iteration()
         t0 = time.perf_counter()
-        groups = [tr.prepare(g) for g in batch]
+        groups = []
+        for g in batch:
+            a = time.perf_counter()
+            groups.append(tr.prepare(g))
+            if record:
+                unit_s.append(time.perf_counter() - a)
+                unit_tokens.append(_sample_group_tokens(g))
         if cfg.trainer.algo == "grpo":
             tr.set_group_advantages(groups)
         t1 = time.perf_counter()
@@ -138,20 +291,37 @@ def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3) -> d
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, sum(p.num_tokens for g in groups for p in g)
 
-    one_step(batches[0])  # warm-up (allocator, first backward)
-    prep = step = 0.0
+    one_step(batches[0], False)  # warm-up (allocator, first backward)
+    timed = [batches[(k + 1) % len(batches)] for k in range(max(1, steps))]
+    step_runs: list[list[float]] = []
+    unit_runs: list[list[float]] = []
     tokens = 0
-    for k in range(max(1, steps)):
-        a, b, n = one_step(batches[(k + 1) % len(batches)])
-        prep, step, tokens = prep + a, step + b, tokens + n
+    switches = voluntary_switches()
+    for rep in range(max(1, repeats)):  # the same units and steps each time; keep the median of each
+        unit_s.clear()
+        unit_tokens.clear()
+        steps_s = []
+        for batch in timed:
+            _, b, n = one_step(batch, True)
+            steps_s.append(b)
+            tokens += n if rep == 0 else 0
+        step_runs.append(steps_s)
+        unit_runs.append(list(unit_s))
+    switches = (voluntary_switches() - switches) / max(1, repeats)
+    unit_s[:] = np.median(np.asarray(unit_runs), axis=0).tolist()
+    prep, step = sum(unit_s), float(np.median(np.asarray(step_runs), axis=0).sum())
+    per_unit, per_token = fit_per_sample(unit_s, unit_tokens)
     return {"train_tokens_per_s": tokens / (prep + step), "prepare_s": prep, "train_step_s": step,
+            "train_step_tokens_per_s": tokens / step, "prepare_unit": "group" if cfg.trainer.algo == "grpo" else "sample",
+            "prepare_units": len(unit_s), "prepare_s_per_unit": per_unit, "prepare_s_per_token": per_token,
             "tokens": tokens, "steps": max(1, steps), "step_tokens": cfg.trainer.step_tokens,
-            "algo": cfg.trainer.algo, "threads": threads}
+            "algo": cfg.trainer.algo, "threads": threads, "repeats": max(1, repeats), "statistic": "median of repeats",
+            "voluntary_switches_per_repeat": switches}
 
 
 def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, new_tokens: int = 32,
                     train_steps: int = 3, colocated_threads: int | None = None,
-                    echo: Callable[[str], Any] = print) -> dict[str, Any]:
+                    echo: Callable[[str], Any] = print, repeats: int = REPEATS) -> dict[str, Any]:
     """Measure and return the profile dict (see module docstring). Raises ``PolicyMissing``."""
     import torch
 
@@ -177,21 +347,20 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     c_threads = cfg.cluster.num_cpus if colocated_threads is None else colocated_threads
     prev_threads = torch.get_num_threads()
     try:
-        echo(f"profile: decode latency at {g_threads} thread(s), batch sizes {batch_sizes}, {new_tokens} tokens each")
-        points = measure_decode(cfg, model, tok, g_threads, batch_sizes, round(prompt_len_mean), new_tokens, cfg.run.seed)
+        echo(f"profile: decode latency at {g_threads} thread(s), batch sizes {batch_sizes}, {new_tokens} tokens each "
+             f"(median of {repeats})")
+        points, one = measure_decode(cfg, model, tok, g_threads, batch_sizes, round(prompt_len_mean), new_tokens,
+                                     cfg.run.seed, repeats)
         echo(f"profile: generating one iteration ({cfg.generation.prompts_per_iter} prompts x "
              f"{cfg.generation.n_samples} samples) for the trainer")
         samples, gen_s = generate_samples(cfg, model, tok, task, g_threads)
         echo(f"profile: trainer ({cfg.trainer.algo}) at {t_threads} thread(s), 1 warm-up + {train_steps} timed steps")
-        train = measure_train(cfg, samples, t_threads, train_steps)
+        train = measure_train(cfg, samples, t_threads, train_steps, repeats)
         colocated = None
         if c_threads and not (c_threads == g_threads and c_threads == t_threads):
-            echo(f"profile: colocated numbers at {c_threads} threads")
-            c_points = measure_decode(cfg, model, tok, c_threads, batch_sizes, round(prompt_len_mean), new_tokens, cfg.run.seed)
-            c_train = measure_train(cfg, samples, c_threads, train_steps)
-            colocated = {"threads": c_threads,
-                         "points": [{"batch_size": r["batch_size"], "ms_per_token": r["ms_per_token"]} for r in c_points],
-                         "train_tokens_per_s": c_train["train_tokens_per_s"], "train": c_train, "rows": c_points}
+            echo(f"profile: colocated numbers at {c_threads} threads (engine and trainer alive in one process)")
+            colocated = measure_colocated(cfg, model, tok, samples, c_threads, batch_sizes, round(prompt_len_mean),
+                                          new_tokens, train_steps, repeats)
     finally:
         torch.set_num_threads(prev_threads)
     mc = model.config
@@ -216,6 +385,8 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
         "generation": {"requests": len(samples), "gen_s": gen_s, "max_new_tokens": cfg.generation.max_new_tokens,
                        "tokens_per_s": sum(out_lens) / gen_s if gen_s > 0 else 0.0},
         "sample_out_lens": out_lens,
+        "prefill": {**fit_prefill(one, points), "rows": one},
+        "repeats": repeats,
         "rows": points,
     }
     if colocated:
@@ -239,7 +410,8 @@ def run_profile(args) -> int:
         print(f"streamrl profile: --batch-sizes {args.batch_sizes!r} is not a comma list of integers", file=sys.stderr)
         return 2
     try:
-        prof = measure_profile(cfg, sizes, args.new_tokens, args.train_steps, args.colocated_threads)
+        prof = measure_profile(cfg, sizes, args.new_tokens, args.train_steps, args.colocated_threads,
+                               repeats=getattr(args, "repeats", REPEATS))
     except PolicyMissing as exc:
         print(f"streamrl profile: {exc}", file=sys.stderr)
         return 2
@@ -268,9 +440,18 @@ def run_profile(args) -> int:
     line = (f"trainer ({tr['algo']}, {prof['trainer_threads']} thread(s)): {prof['train_tokens_per_s']:.0f} tokens/s "
             f"(prepare {tr['prepare_s']:.2f}s + train_step {tr['train_step_s']:.2f}s for {tr['tokens']} tokens, "
             f"{tr['steps']} steps)")
+    line += (f"; prepare per {tr['prepare_unit']} {tr['prepare_s_per_unit'] * 1e3:.2f} ms + "
+             f"{tr['prepare_s_per_token'] * 1e6:.1f} us/token, optimizer steps {tr['train_step_tokens_per_s']:.0f} tokens/s")
     if colo:
-        line += f"; at {colo['threads']} threads: {colo['train_tokens_per_s']:.0f} tokens/s"
+        ct = colo["train"]
+        line += (f"; at {colo['threads']} threads: {colo['train_tokens_per_s']:.0f} tokens/s (prepare per "
+                 f"{ct['prepare_unit']} {ct['prepare_s_per_unit'] * 1e3:.2f} ms, steps {ct['train_step_tokens_per_s']:.0f} tokens/s)")
     print(line)
+    pf = prof["prefill"]
+    line = f"admission + prefill per request: {pf['s_per_request'] * 1e3:.2f} ms at {prof['threads']} thread(s)"
+    if colo:
+        line += f", {colo['prefill']['s_per_request'] * 1e3:.2f} ms at {colo['threads']} threads"
+    print(line + f" (one-token runs, {pf['prompt_len']:.0f}-token prompts; median of {prof['repeats']})")
     gen = prof["generation"]
     lens = prof["sample_out_lens"]
     print(f"workload iteration ({config}: {g.prompts_per_iter} prompts x {g.n_samples}, cap {g.max_new_tokens}): "

@@ -132,7 +132,14 @@ def run_modes(args: argparse.Namespace) -> int:
     if lengths is None:
         lengths = live.synthetic_lengths(cfg.task.num_train, cfg.run.seed)
         source = "synthetic task reference solutions (+1 EOS)"
-    prompt_len = profile.get("prompt_len_mean") or live.synthetic_prompt_len(cfg.task.num_train, cfg.run.seed)
+    # the workload's prompt length: given, else recorded by the bench, else the profile's (its task at profiling time)
+    prompt_len, prompt_src = getattr(args, "prompt_len", None), "given"
+    if not prompt_len and bench is not None and bench.get("prompt_len_mean"):
+        prompt_len, prompt_src = float(bench["prompt_len_mean"]), f"bench JSON {args.bench}"
+    if not prompt_len:
+        prompt_len, prompt_src = profile.get("prompt_len_mean"), f"profile {args.profile}"
+    if not prompt_len:
+        prompt_len, prompt_src = live.synthetic_prompt_len(cfg.task.num_train, cfg.run.seed), "synthetic task prompts"
     iterations = args.iterations or (int(bench["iterations"]) if bench and bench.get("iterations") else 6)
     modes = _split(args.modes) or live.MODES
     res = live.simulate_tiny_modes(
@@ -142,6 +149,7 @@ def run_modes(args: argparse.Namespace) -> int:
         iterations=iterations, seed=args.seed, modes=modes,
         colocated_threads=cfg.cluster.num_cpus, thread_scaling=(bench or {}).get("thread_scaling"))
     res["assumptions"]["lengths_source"] = source
+    res["assumptions"]["prompt_len_source"] = prompt_src
     res["profile"] = args.profile
     rows = res["rows"]
     cols = ["mode", "sim_samples_per_s", "sim_step_s", "sim_gen_s", "sim_train_s"]
@@ -153,11 +161,14 @@ def run_modes(args: argparse.Namespace) -> int:
     print_table(f"simulate modes: {a['requests_per_iter']} requests/iter ({g.prompts_per_iter} prompts x {g.n_samples}), "
                 f"{a['instances']} instance(s) + 1 trainer CPU, profile {args.profile}", rows, cols)
     print(f"  prompt {a['prompt_len']:.1f} tokens; output lengths from {source}: mean {a['mean_out_len']:.1f}, "
-          f"cap {a['max_new_tokens']}; engine batch <= {a['max_batch']}, FIFO admission, prefill free")
-    print(f"  trainer {a['train_tokens_per_s']:.0f} tokens/s; stream-sync batch >= {a['stream_min_batch_tokens']} tokens; "
+          f"cap {a['max_new_tokens']}; engine batch <= {a['max_batch']}, FIFO admission, admission + prefill "
+          f"{a['prefill_s_per_request'] * 1e3:.2f} ms/request ({a['colocated_prefill_s_per_request'] * 1e3:.2f} colocated)")
+    print(f"  trainer {a['trainer']} (= {a['train_tokens_per_s']:.0f} tokens/s at the mean sequence); "
+          f"stream-sync batch >= {a['stream_min_batch_tokens']} tokens; "
           f"{a['iterations']} iterations from an idle pipeline; weight push {a['weight_push_s'] * 1e3:.2f} ms")
     print(f"  colocated ({a['colocated_threads']} threads): {a['colocated_source']}; "
-          f"trainer {a['colocated_train_tokens_per_s']:.0f} tokens/s")
+          f"trainer {a['colocated_train_tokens_per_s']:.0f} tokens/s at the mean sequence; "
+          f"switch (weight install) {a['colocated_switch_s'] * 1e3:.0f} ms")
     if bench is not None:
         print("  ratio = simulated / measured samples/s (step time is its inverse); within_20pct: |ratio - 1| <= 0.2")
     write_json(args.out, res)

@@ -201,18 +201,23 @@ class RooflineTrain:
 
 @dataclass(frozen=True)
 class ProfiledTrain:
-    """Training cost from a measured throughput (tokens/s on ``profile_devices`` workers)."""
+    """Training cost from measured rates on ``profile_devices`` workers: ``tokens_per_s`` per
+    prompt + response token, plus ``per_seq_s`` per sequence (work whose cost is per call rather
+    than per token, e.g. the live trainer's per-sample reference and critic forwards; 0 when the
+    profile only has a combined rate). Scaled linearly by ``devices / profile_devices``."""
 
     tokens_per_s: float
     devices: int = 1
     profile_devices: int = 1
+    per_seq_s: float = 0.0
 
     @property
     def fits(self) -> bool:
         return True
 
     def seq_train_s(self, seq_lens: Sequence[float]) -> np.ndarray:
-        return np.asarray(seq_lens, float) / (self.tokens_per_s * self.devices / self.profile_devices)
+        one = self.per_seq_s + np.asarray(seq_lens, float) / self.tokens_per_s
+        return one * self.profile_devices / self.devices
 
     def train_s(self, seq_lens: Sequence[float]) -> float:
         return float(self.seq_train_s(seq_lens).sum())

@@ -17,18 +17,31 @@ Assumptions of the simulated tiny setup (each printed by the command):
 - **Generation**: one instance per ``generation.num_instances`` (1 in the bench) with the profile's
   PTL(BS) (context-free; ``cost.ProfiledDecode``), at most ``generation.max_requests_per_batch``
   running, FIFO admission (the live engine's order when requests carry no priority), the config's
-  dispatch policy. Prefill is free (prompts are ~20 tokens; the PTL is measured without it).
-- **Training**: one trainer CPU at the profile's ``train_tokens_per_s`` (prepare + train_step,
-  charged per prompt + response token; ``cost.ProfiledTrain``). Stream-sync's trainer starts a
+  dispatch policy. Each admitted request costs the profile's measured admission + prefill
+  (``"prefill"``: one-token runs minus one decode step, per request); free when the profile
+  predates that measurement (the PTL itself is measured without prefill).
+- **Training**: one trainer CPU with the profile's measured trainer costs (``cost.ProfiledTrain``),
+  in the form the profile has, best first: the split form (``streamrl profile`` since it times
+  the live unit), i.e. per sequence ``prepare_s_per_unit / unit size`` (the batch-1 reference and
+  critic forwards the live PPO trainer runs per sample: per-call overhead on the tiny policy) plus
+  every prompt + response token at ``1 / (1 / train_step_tokens_per_s + prepare_s_per_token)``;
+  else the combined ``train_tokens_per_s`` charged per token. Stream-sync's trainer starts a
   dynamic batch once ``trainer.step_tokens`` tokens have arrived (the live rule); with
   ``step_tokens = 0`` it waits for the whole iteration.
-- **Colocated**: one worker with ``cluster.num_cpus`` threads for both stages; the profile's
-  ``"colocated"`` numbers when it has them, else the 1-thread numbers scaled by the speed-ups the
-  bench JSON's ``thread_scaling`` rows measured (1 -> ``num_cpus`` threads), else the 1-thread
-  numbers unchanged, i.e. no speed-up from the second CPU (a lower bound on colocated throughput).
-- **Weights**: pushes and the colocated switch are charged for the tiny model's bytes on the
-  simulator's links (microseconds); the live system's Ray object-store hops (milliseconds) and
-  actor RPCs are not modelled.
+- **Colocated**: one worker with ``cluster.num_cpus`` threads for both stages (the live
+  ``ColocatedWorker``: Ray gives it ``num_cpus`` CPUs and OMP_NUM_THREADS, the trainer and the
+  engine both call ``torch.set_num_threads(num_cpus)``; PPO's per-sample work is prepared one
+  sample at a time there too). Its generation and training costs are the profile's
+  ``"colocated"`` numbers (measured at that thread count in the worker's process layout, an
+  engine alive beside the trainer: see ``planner.profile_live.measure_colocated`` for why the
+  layout changes the costs; same split form) when it has them,
+  else the 1-thread numbers scaled by the speed-ups the bench JSON's ``thread_scaling`` rows
+  measured (1 -> ``num_cpus`` threads), else the 1-thread numbers unchanged, i.e. no speed-up
+  from the second CPU. The switch between the stages is the engine's weight install
+  (``WEIGHT_INSTALL_S``), charged once per iteration.
+- **Weights**: disaggregated pushes are charged for the tiny model's bytes on the simulator's
+  links (microseconds); the live system's Ray object-store hops (milliseconds) and actor RPCs
+  are not modelled.
 - **Timing window**: like the bench, throughput counts ``iterations`` iterations from an idle
   pipeline (the bench drains after its warm-up iterations; the simulator has no warm-up costs).
 """
@@ -153,11 +166,47 @@ def tiny_shape(profile: dict) -> ModelShape:
                       bool(s.get("tied_embeddings", True)))
 
 
-def _deployment(shape: ModelShape, latency: LatencyModel, train_tps: float, instances: int, max_batch: int) -> S.Deployment:
+WEIGHT_INSTALL_S = 0.005
+"""Colocated switch: ``engine.update_weights`` of the tiny policy inside the colocated worker.
+Source: the ``weight_load`` events of ``streamrl bench modes``' colocated timelines: 3-5 ms per
+iteration in docs/bench/bench_modes_run2.json's run, 6-9 ms in a 14:08 run on the v2 task."""
+
+
+def profiled_train(section: dict, n_samples: int) -> tuple[C.ProfiledTrain, str]:
+    """The trainer cost of a profile section (the profile itself, or its ``"colocated"`` part).
+
+    Split form when the section's ``train`` has it (see the module docstring), else the combined
+    ``train_tokens_per_s`` per token."""
+    tr = section.get("train") or {}
+    if tr.get("train_step_tokens_per_s") and tr.get("prepare_s_per_unit") is not None:
+        unit = max(1, int(n_samples)) if tr.get("prepare_unit") == "group" else 1
+        s_per_token = 1.0 / float(tr["train_step_tokens_per_s"]) + float(tr.get("prepare_s_per_token") or 0.0)
+        per_seq = float(tr["prepare_s_per_unit"]) / unit
+        return (C.ProfiledTrain(1.0 / s_per_token, 1, 1, per_seq),
+                f"{per_seq * 1e3:.2f} ms/sequence + {1.0 / s_per_token:.0f} tokens/s "
+                f"(prepare per {tr.get('prepare_unit', 'sample')}, then optimizer steps)")
+    tps = float(section.get("train_tokens_per_s") or tr.get("train_tokens_per_s") or 0.0)
+    if not tps > 0:
+        raise ValueError("the profile has no train_tokens_per_s (write it with `streamrl profile`)")
+    return C.ProfiledTrain(tps, 1, 1), f"{tps:.0f} tokens/s (combined rate, per token)"
+
+
+def prefill_tokens_per_s(section: dict) -> float:
+    """Prompt tokens per second of admission + prefill (``"prefill"`` of a profile section), inf if absent."""
+    tps = (section.get("prefill") or {}).get("tokens_per_s")
+    return float(tps) if tps and float(tps) > 0 else math.inf
+
+
+def _deployment(shape: ModelShape, latency: LatencyModel, train: C.ProfiledTrain, instances: int,
+                max_batch: int, prefill_tps: float = math.inf, switch_s: float | None = None) -> S.Deployment:
     g = get_gpu("H800")  # only its links are read (weight bytes of a tiny model: microseconds)
     return S.Deployment(shape, g, instances, 1, g, 1,
-                        decode_override=C.ProfiledDecode(latency, max_batch=max_batch),
-                        train_override=C.ProfiledTrain(float(train_tps), 1, 1))
+                        decode_override=C.ProfiledDecode(latency, prefill_tokens_per_s=prefill_tps, max_batch=max_batch),
+                        train_override=train, switch_override=switch_s)
+
+
+def _seq_s(train: C.ProfiledTrain, seq_len: float) -> float:
+    return float(train.seq_train_s([seq_len])[0])
 
 
 def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int, max_new_tokens: int,
@@ -166,8 +215,6 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
                         iterations: int = 6, seed: int = 0, modes: Sequence[str] = MODES,
                         colocated_threads: int = 2, thread_scaling: Sequence[dict] | None = None) -> dict[str, Any]:
     """Simulated rows (one per mode) and the assumptions used."""
-    if not profile.get("train_tokens_per_s"):
-        raise ValueError("the profile has no train_tokens_per_s (write it with `streamrl profile`)")
     latency = latency_from_dict(profile)
     shape = tiny_shape(profile)
     pool = np.clip(np.asarray([x for x in lengths if x > 0], float), 1, max_new_tokens)
@@ -177,24 +224,28 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
     if not p_len > 0:
         raise ValueError("no prompt length: the profile has no prompt_len_mean and none was given")
     wl = TinyWorkload(pool, prompts_per_iter * n_samples, p_len, max_new_tokens)
+    train, train_desc = profiled_train(profile, n_samples)
     colo = profile.get("colocated") or {}
-    colo_lat, colo_tps = latency, float(profile["train_tokens_per_s"])
+    prefill = prefill_tokens_per_s(profile)
+    colo_lat, colo_train, colo_prefill = latency, train, prefill
     base_threads = int(profile.get("threads", 1))
     speedup = scaling_ratio(thread_scaling, base_threads, colocated_threads)
-    if colo.get("points"):
+    if colo.get("points") and int(colo.get("threads", colocated_threads)) == colocated_threads:
         colo_lat = latency_from_dict({"points": colo["points"]})
-        colo_tps = float(colo.get("train_tokens_per_s") or colo_tps)
-        colo_source = f"profile 'colocated' numbers ({colo.get('threads')} threads)"
+        colo_train, colo_desc = profiled_train(colo, n_samples)
+        colo_prefill = prefill_tokens_per_s(colo)
+        colo_source = f"profile 'colocated' numbers ({colo.get('threads')} threads): trainer {colo_desc}"
     elif speedup is not None:
         colo_lat = LatencyModel(tuple((b, ms / speedup["gen"]) for b, ms in latency.points), "scaled", latency.model, "cpu")
-        colo_tps *= speedup["train"]
+        colo_train = replace(train, tokens_per_s=train.tokens_per_s * speedup["train"], per_seq_s=train.per_seq_s / speedup["train"])
+        colo_prefill = prefill * speedup["gen"]
         colo_source = (f"{base_threads}-thread profile scaled by the bench's thread_scaling {base_threads}->{colocated_threads} "
                        f"threads (generation x{speedup['gen']:.2f}, training x{speedup['train']:.2f})")
     else:
         colo_source = (f"no {colocated_threads}-thread numbers: assumed equal to the {base_threads}-thread numbers "
-                       "(no speed-up from the extra CPUs; a lower bound on colocated throughput)")
-    deps = {"disagg": _deployment(shape, latency, profile["train_tokens_per_s"], num_instances, max_batch),
-            "colocated": _deployment(shape, colo_lat, colo_tps, 1, max_batch)}
+                       "(no speed-up from the extra CPUs)")
+    deps = {"disagg": _deployment(shape, latency, train, num_instances, max_batch, prefill),
+            "colocated": _deployment(shape, colo_lat, colo_train, 1, max_batch, colo_prefill, WEIGHT_INSTALL_S)}
     rows = []
     min_tokens = step_tokens if step_tokens > 0 else 1e15
     with mock.patch.object(S, "MIN_TOKENS_PER_GPU", min_tokens):
@@ -206,15 +257,20 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
             rows.append({"mode": mode, "sim_samples_per_s": sps, "sim_step_s": wl.num_prompts / sps,
                          "sim_gen_s": res.mean("t_gen"), "sim_train_s": res.mean("t_train"),
                          "sim_mean_len": res.mean("mean_len")})
+    seq = p_len + float(pool.mean())
     assumptions = {
         "requests_per_iter": wl.num_prompts, "prompt_len": p_len, "max_new_tokens": max_new_tokens,
         "mean_out_len": float(pool.mean()), "instances": num_instances, "max_batch": max_batch,
-        "order": "fifo", "dispatch": dispatch, "train_tokens_per_s": float(profile["train_tokens_per_s"]),
+        "order": "fifo", "dispatch": dispatch, "trainer": train_desc,
+        "train_tokens_per_s": seq / _seq_s(train, seq),
         "stream_min_batch_tokens": step_tokens if step_tokens > 0 else "whole iteration",
         "colocated_threads": colocated_threads,
         "colocated_source": colo_source,
-        "colocated_train_tokens_per_s": colo_tps, "iterations": iterations, "weight_push_s": S.push_s(deps["disagg"]),
-        "prefill": "free",
+        "colocated_train_tokens_per_s": seq / _seq_s(colo_train, seq),
+        "colocated_switch_s": WEIGHT_INSTALL_S,
+        "iterations": iterations, "weight_push_s": S.push_s(deps["disagg"]),
+        "prefill_s_per_request": p_len / prefill if math.isfinite(prefill) else 0.0,
+        "colocated_prefill_s_per_request": p_len / colo_prefill if math.isfinite(colo_prefill) else 0.0,
     }
     return {"rows": rows, "assumptions": assumptions}
 

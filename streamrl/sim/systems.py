@@ -87,6 +87,8 @@ class Deployment:
     decode_override: Any = None
     """A cost object (e.g. ``cost.ProfiledDecode``) replacing the roofline model."""
     train_override: Any = None
+    switch_override: float | None = None
+    """Seconds of one colocated switch, replacing ``switch_s``'s model (e.g. a measured install)."""
 
     @property
     def instances(self) -> int:
@@ -168,6 +170,8 @@ class RunResult:
 
 def switch_s(spec: SystemSpec, dep: Deployment) -> float:
     """Per-iteration cost of switching colocated GPUs between training and generation."""
+    if dep.switch_override is not None:
+        return float(dep.switch_override)
     reshard = dep.model.weight_bytes / dep.tp / node_link(dep.gen_gpu).bandwidth
     if spec.verl or dep.train_override is not None:
         return reshard
