@@ -99,13 +99,16 @@ def test_colocated_uses_the_bench_thread_scaling_without_2_thread_numbers():
     kw = dict(prompts_per_iter=8, n_samples=4, max_new_tokens=64, lengths=[40.0] * 10, iterations=3,
               modes=["colocated", "disagg-batch"])
     plain = {r["mode"]: r for r in live.simulate_tiny_modes(PROFILE, **kw)["rows"]}
-    assert plain["colocated"]["sim_samples_per_s"] == pytest.approx(plain["disagg-batch"]["sim_samples_per_s"], rel=1e-3)
+    # Same 1-thread rates in both; colocated also pays the measured weight install between stages.
+    assert plain["colocated"]["sim_samples_per_s"] <= plain["disagg-batch"]["sim_samples_per_s"]
+    assert plain["colocated"]["sim_samples_per_s"] == pytest.approx(plain["disagg-batch"]["sim_samples_per_s"], rel=1e-2)
     scaling = [{"threads": 1, "gen_tokens_per_s": 100.0, "train_tokens_per_s": 50.0},
                {"threads": 2, "gen_tokens_per_s": 200.0, "train_tokens_per_s": 100.0}]
     res = live.simulate_tiny_modes(PROFILE, thread_scaling=scaling, **kw)
     fast = {r["mode"]: r for r in res["rows"]}
-    # twice as fast in both stages: half the step time (weight switch is microseconds)
-    assert fast["colocated"]["sim_step_s"] == pytest.approx(plain["colocated"]["sim_step_s"] / 2, rel=1e-3)
+    # twice as fast in both stages: about half the step time (the weight switch, milliseconds, stays)
+    assert fast["colocated"]["sim_step_s"] == pytest.approx(plain["colocated"]["sim_step_s"] / 2, rel=1e-2)
+    assert fast["colocated"]["sim_step_s"] > plain["colocated"]["sim_step_s"] / 2
     assert "thread_scaling" in res["assumptions"]["colocated_source"]
     prof2 = {**PROFILE, "colocated": {"threads": 2, "points": [{"batch_size": 1, "ms_per_token": 1.0}],
                                       "train_tokens_per_s": 1e6}}
