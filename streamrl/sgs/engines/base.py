@@ -55,6 +55,34 @@ class EngineError(RuntimeError):
     """A request failed inside the engine, or the engine's generation loop died."""
 
 
+class QueueBookkeeping:
+    """``version``, ``num_pending`` and ``stats`` of an engine that keeps its requests in
+    ``_waiting_ids`` (admitted by us, not yet in the engine), ``_inflight`` (in the engine) and
+    ``_done`` (finished, not yet collected), its counters in ``_stats``, all under ``_lock``;
+    ``_busy_since`` is when the engine last went busy (None while idle)."""
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._waiting_ids) + len(self._inflight) + len(self._done)
+
+    def stats(self) -> dict[str, float]:
+        import time
+
+        with self._lock:
+            s = dict(self._stats)
+            if self._busy_since is not None:
+                s["gen/busy_s"] += time.perf_counter() - self._busy_since
+            s["gen/waiting"] = float(len(self._waiting_ids))
+            s["gen/running"] = float(len(self._inflight))
+            s["gen/tokens_per_s"] = s["gen/tokens"] / s["gen/busy_s"] if s["gen/busy_s"] > 0 else 0.0
+            s["gen/version"] = float(self._version)
+            return s
+
+
 class GenerationEngine(ABC):
     """One model replica generating many requests at once (continuous batching)."""
 

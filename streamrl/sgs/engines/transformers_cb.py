@@ -68,13 +68,13 @@ from typing import Any
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from streamrl.sgs.engines.base import EngineError, GenerationEngine
+from streamrl.sgs.engines.base import EngineError, GenerationEngine, QueueBookkeeping
 from streamrl.types import Completion, GenRequest
 
 _DRAIN_POLL_S = 0.05  # how often the drain thread re-checks the stop flag when idle
 
 
-class TransformersCBEngine(GenerationEngine):
+class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
     """Continuous-batching engine around an already loaded transformers causal LM."""
 
     def __init__(
@@ -323,26 +323,7 @@ class TransformersCBEngine(GenerationEngine):
             self._stats["gen/pause_wait_s"] += t1 - t0
             self._stats["gen/weight_update_s"] += t2 - t0
 
-    # ------------------------------------------------------------------ bookkeeping
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._waiting_ids) + len(self._inflight) + len(self._done)
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            s = dict(self._stats)
-            if self._busy_since is not None:
-                s["gen/busy_s"] += time.perf_counter() - self._busy_since
-            s["gen/waiting"] = float(len(self._waiting_ids))
-            s["gen/running"] = float(len(self._inflight))
-            s["gen/tokens_per_s"] = s["gen/tokens"] / s["gen/busy_s"] if s["gen/busy_s"] > 0 else 0.0
-            s["gen/version"] = float(self._version)
-            return s
+    # ------------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
         with self._done_cv:

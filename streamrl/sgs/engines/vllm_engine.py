@@ -77,7 +77,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-from streamrl.sgs.engines.base import EngineError, GenerationEngine
+from streamrl.sgs.engines.base import EngineError, GenerationEngine, QueueBookkeeping
 from streamrl.types import Completion, GenRequest
 
 _IDLE_WAIT_S = 0.05  # the loop re-checks its stop flag this often when it has nothing to do
@@ -86,7 +86,7 @@ _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64":
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
-class VLLMEngine(GenerationEngine):
+class VLLMEngine(QueueBookkeeping, GenerationEngine):
     """Continuous batching by vLLM around a Hugging Face checkpoint directory."""
 
     def __init__(
@@ -479,26 +479,7 @@ class VLLMEngine(GenerationEngine):
             raise KeyError(f"update_weights: {len(missing)} model tensors not provided, e.g. {missing[:5]}")
         return tensors
 
-    # ------------------------------------------------------------------ bookkeeping
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._waiting_ids) + len(self._inflight) + len(self._done)
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            s = dict(self._stats)
-            if self._busy_since is not None:
-                s["gen/busy_s"] += time.perf_counter() - self._busy_since
-            s["gen/waiting"] = float(len(self._waiting_ids))
-            s["gen/running"] = float(len(self._inflight))
-            s["gen/tokens_per_s"] = s["gen/tokens"] / s["gen/busy_s"] if s["gen/busy_s"] > 0 else 0.0
-            s["gen/version"] = float(self._version)
-            return s
+    # ------------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
         with self._lock:
