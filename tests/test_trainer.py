@@ -101,3 +101,22 @@ def test_dynamic_batches_close_when_the_token_budget_fills_and_keep_order():
     assert [[g[0].num_tokens for g in b] for b in cut] == [[5, 3], [4, 10], [1, 2]]
     assert dynamic_batches(groups, 0) == [groups]
     assert dynamic_batches([], 8) == []
+
+
+def test_batched_prepare_of_many_groups_equals_one_group_at_a_time(tiny_policy_dir):
+    """The trainer prepares every group that arrived in one call with shared, length-sorted
+    forward passes; each sample must get what a pass of its own group alone gives it."""
+    from streamrl.controller.common import group_samples
+
+    tr = _trainer(tiny_policy_dir, "trainer.algo=ppo", "trainer.kl_coef=0.1", "trainer.micro_batch_tokens=40")
+    tr.begin_iteration()
+    samples = real_samples(tr.model, tr.tokenizer, PAIRS, REWARDS)
+    units = [[s] for s in samples] + group_samples(samples)
+    one_by_one = [tr.prepare(u) for u in units]
+    batched = tr.prepare_groups(units)
+    assert [[p.meta["request_id"] for p in g] for g in batched] == [[p.meta["request_id"] for p in g] for g in one_by_one]
+    for ga, gb in zip(one_by_one, batched):
+        for a, b in zip(ga, gb):
+            for attr in ("ref_logprobs", "old_values", "advantages", "returns"):
+                assert torch.allclose(torch.tensor(getattr(a, attr)), torch.tensor(getattr(b, attr)), atol=1e-5), attr
+    assert any(p.advantages and any(x != 0 for x in p.advantages) for g in batched for p in g)

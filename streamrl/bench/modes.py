@@ -145,7 +145,7 @@ def thread_scaling(cfg: Config) -> list[dict]:
         samples = [Sample(prompt=by_id[c.request_id.split(":", 1)[1].rsplit("/", 1)[0]], sample_idx=0, completion=c,
                           response_text="", reward=float(i % 2)) for i, c in enumerate(completions)]
         tr.begin_iteration()
-        groups = [tr.prepare(g) for g in group_samples(samples)]
+        groups = tr.prepare_groups(group_samples(samples))
         if cfg.trainer.algo == "grpo":
             tr.set_group_advantages(groups)
         t0 = time.time()

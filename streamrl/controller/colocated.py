@@ -74,7 +74,7 @@ class ColocatedWorker:
         tr = self.trainer
         tr.begin_iteration()
         units = group_samples(samples) if self.algo == "grpo" else [[s] for s in samples]
-        groups = [tr.prepare(g) for g in units]
+        groups = tr.prepare_groups(units)
         if self.algo == "grpo":
             tr.set_group_advantages(groups)
         metrics = tr.train_iteration(groups)

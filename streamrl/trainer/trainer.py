@@ -151,37 +151,49 @@ class Trainer:
         if self.critic is not None:
             self.critic_old = copy.deepcopy(self.critic).eval().requires_grad_(False)
 
-    @torch.no_grad()
     def prepare(self, samples: list[Sample]) -> list[Prepared]:
+        """Per-sample work for one group (see ``prepare_groups``)."""
+        return self.prepare_groups([samples])[0]
+
+    @torch.no_grad()
+    def prepare_groups(self, groups: list[list[Sample]]) -> list[list[Prepared]]:
         """Per-sample work: reference log-probs, old values and GAE (PPO). Pure function of the
-        samples and the iteration-start snapshots, so arrival order does not matter."""
-        items = [self._to_prepared(s) for s in samples]
-        if not items:
-            return items
-        need_forward = self.ref is not None or self.critic is not None
-        if need_forward:
-            ids, attn, mask = _pad(items, self.pad_id)
+        samples and the iteration-start snapshots, so arrival order does not matter.
+
+        All samples of all ``groups`` share the forward passes: they are sorted by length and cut
+        into micro-batches of ``micro_batch_tokens`` padded tokens, so a call with many short
+        groups costs a few batched passes instead of one small pass per group, and a long sample
+        does not pad the short ones."""
+        out = [[self._to_prepared(s) for s in g] for g in groups]
+        if self.ref is None and self.critic is None:
+            return out
+        if self.critic is not None and self.critic_old is None:
+            self.begin_iteration()
+        flat = sorted((p for g in out for p in g), key=lambda p: p.num_tokens)
+        for mb in micro_batches(flat, self.tcfg.micro_batch_tokens):
+            self._prepare_forward(mb)
+        return out
+
+    def _prepare_forward(self, items: list[Prepared]) -> None:
+        ids, attn, mask = _pad(items, self.pad_id)
+        if self.ref is not None:
+            logits = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            ref_lp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+            for i, p in enumerate(items):
+                p.ref_logprobs = ref_lp[i, p.resp_start - 1: p.num_tokens - 1].tolist()
+        if self.critic is not None:
+            values = self.critic_old(ids, attn)[:, :-1] * mask
+            rewards = torch.zeros_like(mask)
+            for i, p in enumerate(items):
+                rewards[i, p.num_tokens - 2] = p.reward
             if self.ref is not None:
-                logits = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
-                ref_lp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
-                for i, p in enumerate(items):
-                    p.ref_logprobs = ref_lp[i, p.resp_start - 1: p.num_tokens - 1].tolist()
-            if self.critic is not None:
-                if self.critic_old is None:
-                    self.begin_iteration()
-                values = self.critic_old(ids, attn)[:, :-1] * mask
-                rewards = torch.zeros_like(mask)
-                for i, p in enumerate(items):
-                    rewards[i, p.num_tokens - 2] = p.reward
-                if self.ref is not None:
-                    ref = _per_token(items, "ref_logprobs", ids.shape[1])
-                    old = _per_token(items, "old_logprobs", ids.shape[1])
-                    rewards = rewards - self.tcfg.kl_coef * losses.kl_penalty(old, ref, mask, kind="k1")
-                adv, ret = losses.gae(rewards, values, mask, gamma=self.tcfg.gamma, lam=self.tcfg.lam)
-                for i, p in enumerate(items):
-                    sl = slice(p.resp_start - 1, p.num_tokens - 1)
-                    p.old_values, p.advantages, p.returns = values[i, sl].tolist(), adv[i, sl].tolist(), ret[i, sl].tolist()
-        return items
+                ref = _per_token(items, "ref_logprobs", ids.shape[1])
+                old = _per_token(items, "old_logprobs", ids.shape[1])
+                rewards = rewards - self.tcfg.kl_coef * losses.kl_penalty(old, ref, mask, kind="k1")
+            adv, ret = losses.gae(rewards, values, mask, gamma=self.tcfg.gamma, lam=self.tcfg.lam)
+            for i, p in enumerate(items):
+                sl = slice(p.resp_start - 1, p.num_tokens - 1)
+                p.old_values, p.advantages, p.returns = values[i, sl].tolist(), adv[i, sl].tolist(), ret[i, sl].tolist()
 
     def _to_prepared(self, s: Sample) -> Prepared:
         c = s.completion
