@@ -128,6 +128,14 @@ class TrainerConfig(_Section):
                              "(in completion order) hold this many tokens; 0 = one step per iteration")
     epochs: int = Field(1, ge=1)
     threads: int = Field(1, ge=1)
+    backend: Literal["single", "fsdp"] = Field("single", description="single = one trainer process (the trainer "
+                                               "actor); fsdp = FSDP2 ranks as Ray actors in one placement group, "
+                                               "driven by the trainer actor (disaggregated modes, GRPO without KL; "
+                                               "required on placement.device=cuda)")
+    fsdp_ranks: int = Field(2, ge=1, description="FSDP2 world size on placement.device=cpu (gloo); on cuda it is "
+                            "placement.trainer_gpus")
+    fsdp_rank_cpus: float = Field(1.0, gt=0, description="CPUs each FSDP2 rank reserves on placement.device=cpu "
+                                  "(a fraction shares a core; torch threads per rank: max(1, int(this)))")
     # PPO
     critic_lr: float = Field(5e-4, gt=0)
     vf_coef: float = Field(0.5, ge=0)
@@ -183,6 +191,29 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     placement: PlacementConfig = PlacementConfig()
 
+    @model_validator(mode="after")
+    def _trainer_backend_fits(self) -> "Config":
+        """The FSDP2 trainer group trains GRPO without a reference or critic, beside separate
+        generation instances; a GPU run trains with it and nothing else."""
+        t, p = self.trainer, self.placement
+        if p.device == "cuda" and self.mode == "colocated":
+            raise ValueError("placement.device=cuda runs the disaggregated modes (trainer and generation on separate "
+                             "GPUs): mode='colocated' is not supported on GPU")
+        if p.device == "cuda" and t.backend != "fsdp":
+            raise ValueError(f"placement.device=cuda trains with FSDP2 over placement.trainer_gpus={p.trainer_gpus} "
+                             f"ranks: set trainer.backend=fsdp (got trainer.backend={t.backend!r})")
+        if t.backend == "fsdp":
+            if self.mode == "colocated":
+                raise ValueError("trainer.backend='fsdp' needs a disaggregated mode (disagg-batch, stream-sync, "
+                                 "stream-async): mode='colocated' time-shares one worker and is not supported")
+            if t.algo != "grpo":
+                raise ValueError(f"trainer.backend='fsdp' trains GRPO only (no critic): trainer.algo={t.algo!r} "
+                                 "is not supported")
+            if t.kl_coef > 0:
+                raise ValueError(f"trainer.backend='fsdp' has no reference model: trainer.kl_coef={t.kl_coef} is "
+                                 "not supported (set it to 0)")
+        return self
+
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
@@ -212,9 +243,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _format_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        loc = ".".join(str(p) for p in err["loc"])
         value = err.get("input")
-        if err["type"] == "extra_forbidden":
+        if not loc:  # a check across sections: its message names every key and value involved
+            lines.append(err["msg"].removeprefix("Value error, "))
+        elif err["type"] == "extra_forbidden":
             lines.append(f"unknown config key {loc!r} (value {value!r})")
         else:
             lines.append(f"config key {loc!r}: {err['msg']} (got {value!r})")

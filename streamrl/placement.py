@@ -13,7 +13,12 @@ GPU indices, first fit, in this order:
 
 The same bundles are what a live run asks Ray for: each bundle is ``{"CPU": c, "GPU": g,
 "<gpu_type>": g}``, so a heterogeneous cluster is expressed with Ray custom resources (start the
-H20 nodes with ``--resources='{"H20": 8}'``). ``streamrl train CONFIG --dry-run`` prints the plan
+H20 nodes with ``--resources='{"H20": 8}'``). The trainer bundles become the placement group of
+``trainer.fsdp.FSDPTrainerGroup``; generation instance ``gen-<i>`` asks Ray for bundle ``i``'s
+resources as actor options (``sgs.service``). On CPU the trainer is one bundle of
+``trainer.threads`` CPUs, or with ``trainer.backend=fsdp`` ``trainer.fsdp_ranks`` bundles of
+``trainer.fsdp_rank_cpus`` each (gloo ranks; fractions let a 2-core machine hold two ranks and an
+instance). ``streamrl train CONFIG --dry-run`` prints the plan
 on any machine, GPU or not. A plan that does not fit fails here, naming the key and the numbers,
 instead of Ray waiting forever for resources that never come.
 """
@@ -78,7 +83,13 @@ def plan_placement(cfg: Config) -> PlacementPlan:
 def _plan_cpu(cfg: Config) -> PlacementPlan:
     g, t = cfg.generation, cfg.trainer
     node = Node("local", "cpu", 0, cfg.cluster.num_cpus)
-    trainer = (Bundle("trainer-rank-0", {"CPU": float(t.threads)}, node.name),)
+    if t.backend == "fsdp":
+        trainer = tuple(Bundle(f"trainer-rank-{r}", {"CPU": float(t.fsdp_rank_cpus)}, node.name)
+                        for r in range(t.fsdp_ranks))
+        trainer_desc = f"trainer.fsdp_ranks ({t.fsdp_ranks}) x trainer.fsdp_rank_cpus ({t.fsdp_rank_cpus:g})"
+    else:
+        trainer = (Bundle("trainer-rank-0", {"CPU": float(t.threads)}, node.name),)
+        trainer_desc = f"trainer.threads ({t.threads})"
     gen = tuple(Bundle(f"gen-{i}", {"CPU": float(g.threads_per_instance), **g.resources}, node.name)
                 for i in range(g.num_instances))
     need = sum(b.resources["CPU"] for b in trainer + gen)
@@ -86,9 +97,12 @@ def _plan_cpu(cfg: Config) -> PlacementPlan:
     if cfg.mode == "colocated":
         notes.append("colocated: one worker time-shares generation and training")
     elif need > cfg.cluster.num_cpus and cfg.cluster.address is None:
-        raise ConfigError(f"placement: trainer.threads ({t.threads}) + generation.num_instances ({g.num_instances}) x "
+        raise ConfigError(f"placement: {trainer_desc} + generation.num_instances ({g.num_instances}) x "
                           f"generation.threads_per_instance ({g.threads_per_instance}) = {need:g} CPUs, but "
                           f"cluster.num_cpus={cfg.cluster.num_cpus}")
+    if t.backend == "fsdp":
+        notes.append(f"trainer: FSDP2 over {t.fsdp_ranks} CPU ranks (gloo), placement group PACK; the trainer actor "
+                     "that drives them reserves no CPU")
     return PlacementPlan("cpu", (node,), trainer, "PACK", gen, tuple(notes))
 
 
@@ -103,9 +117,6 @@ def _plan_gpu(cfg: Config) -> PlacementPlan:
     if g.vllm.get("device", "cpu") != "cuda":
         raise ConfigError(f"placement.device=cuda but generation.vllm.device={g.vllm.get('device', 'cpu')!r}; "
                           "set generation.vllm.device=cuda")
-    if cfg.mode == "colocated":
-        raise ConfigError("placement.device=cuda plans disaggregated modes (trainer and vLLM on separate GPUs); "
-                          "mode=colocated is not supported on GPU yet")
     nodes = tuple(Node(f"{grp.gpu_type}-{i}", grp.gpu_type, grp.gpus_per_node, grp.cpus_per_node)
                   for grp in p.nodes for i in range(grp.nodes))
     free = {n.name: list(range(n.gpus)) for n in nodes}
