@@ -31,6 +31,7 @@ import numpy as np
 # name -> "module:Class"; imported on demand so the factory pulls in torch only when needed.
 RANKERS = {
     "learned": "streamrl.ranker.learned:LearnedRanker",
+    "learned-ridge": "streamrl.ranker.learned:RidgeRanker",
     "history": "streamrl.ranker.history:HistoryRanker",
     "blend": "streamrl.ranker.history:BlendRanker",
     "prompt-length": "streamrl.ranker.base:PromptLengthRanker",

@@ -14,7 +14,7 @@ prompt has (empirical Bayes)::
 
 so an unseen prompt gets the learned score, a prompt with many samples its own mean. The pseudo
 count ``c`` is ``"auto"`` by default: within-prompt variance of log length divided by the learned
-prior's error variance on prompt means (its leave-one-prompt-out RMSE², less the sampling noise of
+prior's error variance on prompt means (its held-out RMSE² ``loo_rmse_``, less the sampling noise of
 a mean), i.e. "how many samples is the learned score worth".
 
 Measured (``streamrl rank eval``): log vs linear mean and decay 1 / 0.7 / 0.4 are within noise on
