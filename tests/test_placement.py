@@ -86,8 +86,13 @@ def test_train_dry_run_prints_the_plan_without_starting_anything(tmp_path, capsy
     assert report["policy_present"] is False  # the checkpoint lives on the GPU cluster, not here
 
 
-def test_a_live_gpu_run_refuses_until_the_pipelines_are_wired(capsys):
+def test_a_live_gpu_run_checks_its_plan_before_starting_anything(capsys, tmp_path):
     from streamrl.cli import main
 
-    assert main(["train", str(CONFIGS / "gpu-qwen2.5-0.5b-gsm8k.yaml")]) == 2
-    assert "not wired into the pipelines yet" in capsys.readouterr().err
+    # 2 GPUs: a 2-rank trainer leaves none for the instance; fails before Ray, the policy or out_dir
+    out_dir = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "gpu-qwen2.5-0.5b-gsm8k.yaml"), "placement.trainer_gpus=2",
+                 f"run.out_dir={out_dir}"]) == 2
+    assert "only 0 instances fit" in capsys.readouterr().err and not out_dir.exists()
+    assert main(["train", str(CONFIGS / "gpu-qwen2.5-0.5b-gsm8k.yaml"), "trainer.backend=single"]) == 2
+    assert "set trainer.backend=fsdp (got trainer.backend='single')" in capsys.readouterr().err

@@ -19,11 +19,10 @@ def run(args) -> int:
     cfg = load_cli_config(args.config, args.overrides)  # fails before any work on a bad key or value
     if getattr(args, "dry_run", False):
         return _dry_run(cfg, args)
-    if cfg.placement.device == "cuda":
-        from streamrl.config import ConfigError
+    if cfg.trainer.backend == "fsdp":  # always on GPU: an impossible plan fails before Ray or the policy
+        from streamrl.placement import plan_placement
 
-        raise ConfigError("placement.device=cuda: live GPU runs are not wired into the pipelines yet (the trainer "
-                          "actor is the single-process CPU trainer); use --dry-run to check the plan")
+        plan_placement(cfg)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -75,6 +75,9 @@ class DisaggPipeline:
 
     Weight rule, for every mode: generating iteration ``it`` needs installed version
     ``>= it - max_staleness``; version v is the result of training iteration v - 1.
+
+    The trainer actor trains in its own process (``trainer.backend=single``) or drives FSDP2
+    ranks in a placement group (``fsdp``, and always on GPU); the pipeline is the same.
     """
 
     def __init__(self, cfg: Config, ctx) -> None:
@@ -85,7 +88,15 @@ class DisaggPipeline:
         self.cfg, self.ctx = cfg, ctx
         self.mode = cfg.mode
         self.max_staleness = 1 if cfg.mode == "stream-async" else 0
-        self.trainer = TrainerActor.options(num_cpus=cfg.trainer.threads).remote(
+        if cfg.trainer.backend == "fsdp":
+            from streamrl.placement import plan_placement
+
+            plan_placement(cfg)  # an impossible plan fails here, naming the keys, not inside the trainer actor
+            # The actor only drives the FSDP2 ranks (their placement group holds the CPUs/GPUs).
+            trainer_cpus = 0
+        else:
+            trainer_cpus = cfg.trainer.threads
+        self.trainer = TrainerActor.options(num_cpus=trainer_cpus).remote(
             cfg.model_dump(), cfg.trainer.threads, self.max_staleness)
         self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch)
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
@@ -210,4 +221,6 @@ class DisaggPipeline:
 
     def shutdown(self) -> None:
         self.sgs.shutdown()
+        if self.cfg.trainer.backend == "fsdp":
+            ray.get(self.trainer.shutdown.remote())  # ranks and placement group
         ray.kill(self.trainer)

@@ -42,6 +42,8 @@ its generated prefix would need partial outputs from the engine, which it does n
 
 Placement: each instance is a Ray actor with ``generation.threads_per_instance`` CPUs and the
 custom resources in ``generation.resources`` (e.g. ``{"H20": 1}`` on a heterogeneous cluster).
+With ``placement.device=cuda`` it asks for its bundle of the placement plan instead: its GPUs
+(Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor), the CPUs beside them and the GPU-type label.
 """
 
 from __future__ import annotations
@@ -146,14 +148,28 @@ class StreamGenerationService:
         return {}
 
     # ------------------------------------------------------------------------------- instances
+    def _instance_options(self, index: int) -> dict:
+        """Ray resources of the ``index``-th instance added: ``generation.threads_per_instance``
+        CPUs and ``generation.resources`` on CPU; on ``placement.device=cuda`` the CPUs, GPUs and
+        GPU-type label of the placement plan's bundle ``gen-<index>`` (an instance added beyond
+        ``generation.num_instances`` asks for the last planned instance's bundle)."""
+        g = self.cfg.generation
+        if self.cfg.placement.device != "cuda":
+            return {"num_cpus": g.threads_per_instance, "resources": dict(g.resources)}
+        from streamrl.placement import plan_placement
+
+        planned = plan_placement(self.cfg).generation
+        bundle = planned[min(index, len(planned) - 1)].resources
+        labels = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        return {"num_cpus": bundle["CPU"], "num_gpus": bundle["GPU"], "resources": {**labels, **g.resources}}
+
     def add_instance(self) -> str:
         g = self.cfg.generation
         name = next(self._names)
-        actor = GenerationInstance.options(num_cpus=g.threads_per_instance, resources=dict(g.resources),
-                                           name=None).remote(name, self.cfg.model_dump(), self.policy_path,
-                                                             g.threads_per_instance, self.cfg.run.seed + len(self.instances),
-                                                             hold_back=self.hold_back,
-                                                             engine_overrides=self.engine_overrides)
+        options = self._instance_options(self.counters["sgs/instances_added"])
+        actor = GenerationInstance.options(**options, name=None).remote(
+            name, self.cfg.model_dump(), self.policy_path, g.threads_per_instance, self.cfg.run.seed + len(self.instances),
+            hold_back=self.hold_back, engine_overrides=self.engine_overrides)
         ray.get(actor.ready.remote())
         if self._handle is not None:
             ray.get(actor.update.remote(self._handle, self.version))

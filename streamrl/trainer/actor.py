@@ -14,6 +14,16 @@ Batch-sync (disagg-batch) sends all groups in one call, stream-sync one call per
 group: the same cut rule on the same order gives the same steps, hence the same parameters.
 The weight publish is a ``ray.put`` of one flat buffer; the instances fetch it while this actor
 already works on the next iteration's groups (stream-async overlaps the push with training).
+
+Two trainer backends behind the same logic (``trainer.backend``):
+- ``single``: the ``Trainer`` in this process (``trainer.threads`` CPUs); it flattens its own
+  state dict for the publish.
+- ``fsdp`` (always on GPU): an ``FSDPGroupTrainer`` (``trainer/fsdp.py``). Steps 1-4 are
+  still decided here (staleness, preparing, the batch cut, epochs, versions); preparing needs
+  no model (GRPO, no reference, no critic), so this actor loads none and reserves no CPU. The
+  optimizer steps, the publish (rank 0 gathers, flattens and puts the buffer: the weights still
+  travel by the object store, not by NCCL) and checkpoints run on the FSDP2 ranks, a placement
+  group of their own that ``shutdown`` frees.
 """
 
 from __future__ import annotations
@@ -42,7 +52,13 @@ class IterationTrainer:
         cfg = config_from_dict(cfg_tree)
         cfg.trainer.threads = threads
         self.cfg = cfg
-        self.trainer = Trainer(cfg)
+        self.fsdp = cfg.trainer.backend == "fsdp"
+        if self.fsdp:
+            from streamrl.trainer.fsdp import FSDPGroupTrainer
+
+            self.trainer = FSDPGroupTrainer(cfg)
+        else:
+            self.trainer = Trainer(cfg)
         self.max_staleness = max_staleness
         self.iteration = -1
         self._reset(-1, 0)
@@ -64,7 +80,10 @@ class IterationTrainer:
         from streamrl.weights.transfer import RayObjectStoreTransport
 
         t0 = time.time()
-        handle = RayObjectStoreTransport().publish(flatten(self.trainer.model.state_dict(), self.trainer.version))
+        if self.fsdp:
+            handle = self.trainer.publish()  # rank 0 gathers, flattens and puts: no state dict passes here
+        else:
+            handle = RayObjectStoreTransport().publish(flatten(self.trainer.model.state_dict(), self.trainer.version))
         self.events.append(("trainer", "weight_push", self.iteration, self.trainer.version, t0, time.time()))
         return handle
 
@@ -139,6 +158,8 @@ class IterationTrainer:
         return out
 
     def parameters_vector(self):
+        if self.fsdp:
+            return self.trainer.parameters_vector()
         import torch
 
         return torch.cat([p.detach().flatten() for p in self.trainer.model.parameters()]).numpy()
@@ -148,6 +169,12 @@ class IterationTrainer:
 
     def load(self, path: str) -> dict:
         return self.trainer.load_checkpoint(path)
+
+    def shutdown(self) -> None:
+        """Stop the FSDP2 ranks and free their placement group: a placement group lives as long as
+        the job, not as the actor that made it, so killing this actor alone would keep it reserved."""
+        if self.fsdp:
+            self.trainer.shutdown()
 
 
 TrainerActor = ray.remote(IterationTrainer)

@@ -22,17 +22,43 @@ fp32, forward/backward run in bf16 and gradients are reduced in fp32 (``MixedPre
 the usual recipe for RL post-training on GPUs.
 
 Across Ray (``FSDPTrainerGroup``): one actor per rank, all inside one placement group whose
-bundles come from ``streamrl.placement`` (a GPU and its type label per rank), rendezvous at rank
-0's node; the caller drives every rank in lockstep with the same item list.
+bundles come from ``streamrl.placement`` (a GPU and its type label per rank; on CPU
+``trainer.fsdp_ranks`` bundles of ``trainer.fsdp_rank_cpus``), rendezvous at rank 0's node; the
+caller drives every rank in lockstep with the same item list (one ``ray.put``, read by all).
+
+In the pipelines (``trainer.backend=fsdp``, required on ``placement.device=cuda``): the trainer
+actor (``trainer.actor.IterationTrainer``) keeps its logic and holds an ``FSDPGroupTrainer``,
+the ``Trainer`` interface without a model, in place of the single-process ``Trainer``::
+
+    IterationTrainer: staleness check, prepare, GRPO advantages, dynamic-batch cut, epochs
+        --train_step(items)--> FSDPTrainerGroup --> every rank (one optimizer step)
+        --publish-----------> every rank gathers the full state dict; rank 0 flattens it and
+                              ``ray.put``s ONE buffer (streamrl.weights), returns the handle
+        --save / load-------> full model + optimizer state gathered on rank 0, which writes the
+                              single-process trainer's files; every rank reads them and keeps
+                              its shards (checkpoints cross backends and world sizes)
+
+Weights reach the generation instances through the Ray object store, as on CPU: host memory
+on rank 0's node, then each instance's node. NCCL weight transfer from the trainer GPUs to the
+vLLM GPUs is not done.
+
+Tested on CPU only (gloo ranks in a placement group, against the single-process trainer, and
+inside a stream-async run); the NCCL backend, ``param_dtype="bfloat16"`` in the pipelines,
+multi-node rendezvous and GPU placement of ranks and instances have not run here.
 
 Limits: GRPO without a reference model (``trainer.kl_coef == 0``) and without a critic; the
-reference would be sharded the same way (not done yet).
+reference would be sharded the same way (not done yet). The metrics of a step other than the
+grad norm and counts are rank 0's share of the batch.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -159,6 +185,56 @@ class FSDPTrainer(Trainer):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def parameters_vector(self) -> torch.Tensor:
+        """Every parameter, unsharded, flattened and concatenated in ``parameters()`` order (as
+        the single-process trainer's); on CPU, on every rank. A collective (one all-gather each)."""
+        return torch.cat([p.full_tensor().detach().flatten().cpu() for p in self.model.parameters()])
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
+        """``Trainer.save_checkpoint``'s files in its format, from full state dicts gathered on
+        rank 0, which alone writes (a collective). The optimizer state is keyed by parameter index
+        as ``torch.optim`` keys it, so a single-process trainer can resume from it and back, at any
+        world size. Every rank must see ``path`` when loading (one node, or shared storage)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, opt_sd = get_state_dict(self.model, self.opt,
+                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            path = Path(path)
+            path.mkdir(parents=True, exist_ok=True)
+            names = [n for n, _ in self.model.named_parameters()]
+            index = {n: i for i, n in enumerate(names)}
+            opt_sd = {"state": {index[n]: v for n, v in opt_sd["state"].items()},
+                      "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in opt_sd["param_groups"]]}
+            state = {"model": model_sd, "opt": opt_sd, "critic": None, "critic_opt": None, "version": self.version,
+                     "steps": self.steps, "extra": extra or {},
+                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+            tmp = path / "trainer.pt.tmp"
+            torch.save(state, tmp)
+            tmp.replace(path / "trainer.pt")
+            self.model.save_pretrained(path / "policy", state_dict=model_sd)
+            self.tokenizer.save_pretrained(path / "policy")
+        dist.barrier()
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Every rank reads the full state dicts of ``save_checkpoint`` (or of a single-process
+        trainer) and keeps its shards; the RNG state is rank 0's at the save. Returns ``extra``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        state = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        if state.get("critic") is not None:
+            raise ValueError(f"{path}: a PPO checkpoint (it has a critic); the FSDP2 trainer trains GRPO only")
+        names = [n for n, _ in self.model.named_parameters()]
+        opt_sd = {"state": {names[i]: v for i, v in state["opt"]["state"].items()},
+                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["opt"]["param_groups"]]}
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=opt_sd,
+                       options=StateDictOptions(full_state_dict=True))
+        self.version, self.steps = state["version"], state["steps"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        return state["extra"]
+
 
 # ------------------------------------------------------------------------------- Ray workers
 def _worker_class():
@@ -170,7 +246,7 @@ def _worker_class():
         def __init__(self, rank: int, world_size: int, cfg_tree: dict, policy_path: str | None, param_dtype: str,
                      threads: int) -> None:
             torch.set_num_threads(threads)
-            self.rank, self.world_size = rank, world_size
+            self.rank, self.world_size, self.threads = rank, world_size, threads
             self.cfg_tree, self.policy_path, self.param_dtype = cfg_tree, policy_path, param_dtype
             self.trainer: FSDPTrainer | None = None
 
@@ -188,7 +264,9 @@ def _worker_class():
             from streamrl.config import config_from_dict
 
             backend = init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
-            self.trainer = FSDPTrainer(config_from_dict(self.cfg_tree), self.policy_path, self.param_dtype)
+            cfg = config_from_dict(self.cfg_tree)
+            cfg.trainer.threads = self.threads  # Trainer.__init__ sets torch's threads from it
+            self.trainer = FSDPTrainer(cfg, self.policy_path, self.param_dtype)
             return backend
 
         def train_step(self, items: list[Prepared]) -> dict[str, float]:
@@ -199,6 +277,25 @@ def _worker_class():
 
         def policy_state(self) -> dict[str, torch.Tensor]:
             return self.trainer.policy_state()
+
+        def publish(self, version: int):
+            """Gather the full state dict; rank 0 flattens it into one buffer and puts it in the
+            object store (it owns the object); others return None."""
+            from streamrl.weights.flat import flatten
+            from streamrl.weights.transfer import RayObjectStoreTransport
+
+            state = self.trainer.policy_state()
+            return RayObjectStoreTransport().publish(flatten(state, version)) if self.rank == 0 else None
+
+        def parameters_vector(self):
+            return self.trainer.parameters_vector().numpy()
+
+        def save_checkpoint(self, path: str, extra: dict) -> None:
+            self.trainer.save_checkpoint(path, extra)
+
+        def load_checkpoint(self, path: str) -> tuple[dict, int, int]:
+            extra = self.trainer.load_checkpoint(path)
+            return extra, self.trainer.version, self.trainer.steps
 
         def close(self) -> None:
             if dist.is_initialized():
@@ -254,7 +351,8 @@ class FSDPTrainerGroup:
         per-rank sample counts."""
         import ray
 
-        results = ray.get([w.train_step.remote(items) for w in self.workers])
+        ref = ray.put(items)  # serialised once, read by every rank
+        results = ray.get([w.train_step.remote(ref) for w in self.workers])
         metrics = dict(results[0])
         metrics["train/rank_samples"] = [r["train/rank_samples"] for r in results]
         return metrics
@@ -270,6 +368,30 @@ class FSDPTrainerGroup:
 
         return ray.get([w.policy_state.remote() for w in self.workers])[0]
 
+    def publish(self, version: int):
+        """The policy as one flat buffer in the object store, put by rank 0; returns its
+        ``WeightHandle`` (the state dict itself never passes through the caller)."""
+        import ray
+
+        return ray.get([w.publish.remote(version) for w in self.workers])[0]
+
+    def parameters_vector(self):
+        """All parameters, unsharded, as one numpy vector in ``parameters()`` order."""
+        import ray
+
+        return ray.get([w.parameters_vector.remote() for w in self.workers])[0]
+
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        import ray
+
+        ray.get([w.save_checkpoint.remote(path, extra) for w in self.workers])
+
+    def load_checkpoint(self, path: str) -> tuple[dict, int, int]:
+        """Load on every rank; returns rank 0's ``(extra, version, steps)``."""
+        import ray
+
+        return ray.get([w.load_checkpoint.remote(path) for w in self.workers])[0]
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -278,3 +400,66 @@ class FSDPTrainerGroup:
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)
+
+
+# ------------------------------------------------------------------ the trainer actor's side
+class FSDPGroupTrainer(Trainer):
+    """The ``Trainer`` interface that ``trainer.actor.IterationTrainer`` drives, with every
+    optimizer step, the weight gather and checkpoints on an ``FSDPTrainerGroup``::
+
+        IterationTrainer --prepare_groups / set_group_advantages--> here (no model needed)
+                         --train_step(items)--------------------> every rank, lockstep
+                         --finish_iteration / publish / save----> every rank; rank 0 answers
+
+    It holds no model: GRPO without a reference or critic prepares a sample without a forward
+    pass (``Trainer.prepare_groups`` copies tokens, log-probs and the reward) and the group
+    advantage is the reward normalised in its group. So ``Trainer.__init__``, which would load
+    a full copy of the policy beside the ranks' shards (on GPU: a second full model in host
+    memory), is skipped, and only what those inherited methods read is set here. The trainer
+    actor then needs no CPU of its own: the ranks do the work.
+
+    ``bundles`` (one per rank) default to the placement plan's trainer bundles: ``placement.
+    trainer_gpus`` GPUs on ``device=cuda``, ``trainer.fsdp_ranks`` CPU bundles on ``device=cpu``.
+    """
+
+    def __init__(self, cfg: Config, bundles: list[dict[str, float]] | None = None, strategy: str | None = None) -> None:
+        if cfg.trainer.kl_coef > 0 or cfg.trainer.algo != "grpo":
+            raise ValueError(f"FSDPGroupTrainer supports GRPO without a reference model; got trainer.algo="
+                             f"{cfg.trainer.algo!r}, trainer.kl_coef={cfg.trainer.kl_coef}")
+        self.cfg, self.tcfg = cfg, cfg.trainer
+        self.ref = self.critic = self.critic_old = self.critic_opt = None
+        self.version = self.steps = 0
+        self.group = FSDPTrainerGroup(cfg, bundles=bundles, strategy=strategy)
+
+    def train_step(self, items: list[Prepared]) -> dict[str, float]:
+        if not items:
+            raise ValueError("train_step needs at least one sample")
+        t0 = time.time()
+        metrics = self.group.train_step(items)
+        self.steps += 1
+        metrics["train/step_s"] = time.time() - t0
+        return metrics
+
+    def finish_iteration(self) -> int:
+        self.version = self.group.finish_iteration()
+        return self.version
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        return self.group.policy_state()
+
+    def publish(self):
+        """The current policy as a flat buffer in the object store (put by rank 0): its handle."""
+        return self.group.publish(self.version)
+
+    def parameters_vector(self):
+        return self.group.parameters_vector()
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
+        self.group.save_checkpoint(str(path), extra or {})
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        extra, self.version, self.steps = self.group.load_checkpoint(str(path))
+        return extra
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
