@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from streamrl.ranker.base import make_ranker
-from streamrl.ranker.evaluate import (QWEN_MATH_FILE, LengthRecord, evaluate, load_samples_jsonl, prompt_folds,
-                                      streaming)
+from streamrl.ranker.evaluate import (QWEN_MATH_FILE, LengthRecord, Prediction, evaluate, group_metrics,
+                                      group_oracle, load_samples_jsonl, prompt_folds, streaming)
 from streamrl.ranker.history import BlendRanker, HistoryRanker
-from streamrl.ranker.learned import LearnedRanker, ngram_buckets
+from streamrl.ranker.learned import LearnedRanker, RidgeRanker, ngram_buckets, position_codes
 from streamrl.ranker.metrics import average_ranks, ceiling_scores, rank_metrics, recall_at_top, spearman
 from streamrl.tasks.base import default_data_dir
 
@@ -143,6 +143,54 @@ def test_learned_ranker_scores_1000_prompts_quickly():
     assert time.perf_counter() - t0 < 5.0  # ~0.2 s here; loose for a shared CI core
 
 
+def interaction_records(n_prompts=300, seed=0):
+    """Length set by the first letter x the last digit: A counts up with the digit, B down.
+
+    Each letter and each digit alone says nothing about the length (the two halves cancel), and
+    filler words of random length sit between them, so no n-gram spans both ends.
+    """
+    rng = random.Random(seed)
+    words = ["apple", "river", "stone", "cloud", "lamp", "seed", "wolf", "coin"]
+    out = []
+    for i in range(n_prompts):
+        letter, digit = rng.choice("AB"), rng.randrange(10)
+        text = f"{letter} " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 6))) + f" {digit}"
+        steps = digit if letter == "A" else 9 - digit
+        out.append(LengthRecord(f"k{i}", text, (20 + 40 * steps) * rng.uniform(0.9, 1.1)))
+    return out
+
+
+def test_learned_ranker_learns_an_interaction_the_ridge_cannot():
+    recs = interaction_records()
+
+    def held_out_spearman(factory):
+        preds = prompt_folds(recs, factory, k=3)
+        true = np.concatenate([[r.length for r in p.records] for p in preds])
+        return spearman(true, np.concatenate([p.scores for p in preds]))
+
+    ridge, learned = held_out_spearman(RidgeRanker), held_out_spearman(LearnedRanker)
+    assert abs(ridge) < 0.3  # the additive parts cancel: nothing linear to learn
+    assert learned > 0.8 and learned > ridge + 0.5
+
+
+def test_learned_ranker_is_deterministic_and_reports_its_choices():
+    recs = interaction_records(n_prompts=120, seed=3)
+    texts, lens = [r.text for r in recs], [r.length for r in recs]
+    a, b = LearnedRanker(seed=5).fit(texts, lens), LearnedRanker(seed=5).fit(texts, lens)
+    assert np.array_equal(a.score(texts), b.score(texts))
+    assert a.params_ == b.params_ and a.params_["rounds"] > 0 and a.params_["blend"] < 1.0
+    a.update(texts[:10], lens[:10])
+    b.update(texts[:10], lens[:10])
+    assert np.array_equal(a.score(texts), b.score(texts))
+    few = LearnedRanker().fit(texts[:10], lens[:10])  # under 5 * cv_folds prompts: the ridge alone
+    assert few.params_["blend"] == 1.0 and few.params_["rounds"] == 0
+
+
+def test_position_codes_align_both_ends():
+    got = position_codes(["abc", "x"], 2)
+    assert got.tolist() == [[97, 98, 99, 98], [120, -1, 120, -1]]
+
+
 def test_ngram_hash_is_stable_across_processes():
     # Python's str hash is salted per process; ours must not be (models are saved and reloaded).
     assert ngram_buckets("ab", (1, 2), 13).tolist() == ngram_buckets("ab", (1, 2), 13).tolist()
@@ -195,7 +243,7 @@ def test_streaming_protocol_never_scores_what_it_has_seen(tmp_path):
     assert [p.batch for p in preds] == ["step 1", "step 2"]
     for p in preds:
         assert all(s.step < p.records[0].step for s in p.seen)
-    table = {r["ranker"]: r for r in evaluate("streaming", recs, ["history"])}
+    table = {r["ranker"]: r for r in evaluate("streaming", recs, ["history"]) if r["unit"] == "sample"}
     assert table["history"]["spearman"] == pytest.approx(1.0)
     assert table["random"]["recall@20%"] == pytest.approx(0.2)
 
@@ -209,12 +257,34 @@ def test_rank_eval_on_real_qwen_math(tmp_path):
     assert main(["rank", "eval", "--data", "qwen-math", "--ranker", "history", "--ranker", "learned",
                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    by = {(r["setting"], r["ranker"]): r for r in rows}
+    by = {(r["setting"], r["unit"], r["ranker"]): r for r in rows}
     samples = "qwen-math: held-out samples of seen prompts"
-    assert by[(samples, "history")]["recall@20%"] > 0.5 > by[(samples, "random")]["recall@20%"]
+    assert by[(samples, "sample", "history")]["recall@20%"] > 0.5 > by[(samples, "sample", "random")]["recall@20%"]
     held = "qwen-math: held-out prompts"
-    assert by[(held, "ceiling (seen)")]["recall@20%"] == pytest.approx(0.2)  # nothing seen of these prompts
-    assert by[(held, "learned")]["spearman"] > 0.2
+    assert by[(held, "sample", "ceiling (seen)")]["recall@20%"] == pytest.approx(0.2)  # nothing seen of these
+    assert by[(held, "sample", "learned")]["spearman"] > 0.2
+    assert by[(held, "group-mean", "learned")]["n"] == 100  # one row per prompt: its 8 samples are one group
+    assert by[(held, "group-mean", "oracle (half vs half)")]["spearman"] > 0.5
+
+
+def test_group_metrics_hand_worked():
+    # three prompts of two samples each in one batch; scores of prompt c differ but average to 2
+    lens = {"a": [10, 40], "b": [50, 50], "c": [1, 60]}  # means 25 / 50 / 30.5, maxes 40 / 50 / 60
+    recs = [LengthRecord(k, k, x) for k, xs in lens.items() for x in xs]
+    pred = Prediction("batch", recs, np.array([1.0, 1.0, 3.0, 3.0, 1.5, 2.5]), [])
+    mean = group_metrics([pred], lambda p: p.scores, "group-mean")
+    assert mean["n"] == 3 and mean["spearman"] == pytest.approx(1.0) and mean["recall@20%"] == 1.0  # b > c > a
+    top = group_metrics([pred], lambda p: p.scores, "group-max")
+    assert top["spearman"] == pytest.approx(0.5)  # truth c > b > a, scores b > c > a
+    assert top["recall@20%"] == 0.0  # top-1 group is c (max 60), predicted b
+    # no sample outside the groups: one half ranks the other (a 10|40, b 50|50, c 1|60), both ways
+    half = group_oracle([pred], recs, "group-mean")
+    assert half["ranker"] == "oracle (half vs half)" and half["spearman"] == pytest.approx(-0.5)
+    extra = [LengthRecord("a", "a", 5.0), LengthRecord("b", "b", 7.0), LengthRecord("c", "c", 9.0)]
+    other = group_oracle([pred], recs + extra, "group-mean")  # scores c > b > a, truth b > c > a
+    assert other["ranker"] == "oracle (other samples)" and other["spearman"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="'group-median'.*known"):
+        group_metrics([pred], lambda p: p.scores, "group-median")
 
 
 def test_bare_rank_command_prints_help(capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from streamrl.metrics.report import add_out_argument
 
 DATASETS = ("qwen-math", "skythought", "samples")
-RANKER_NAMES = ("learned", "history", "blend", "prompt-length")
+RANKER_NAMES = ("learned", "learned-ridge", "history", "blend", "prompt-length")
 DEFAULT_RANKERS = ("learned", "history", "blend", "prompt-length")
 
 
@@ -48,12 +48,15 @@ def run_eval(args) -> int:
     rankers = tuple(dict.fromkeys(args.ranker)) if args.ranker else DEFAULT_RANKERS
     kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}}
     results = run_suite(args.data, data_dir, rankers, kwargs, file=args.file, folds=args.folds, seed=args.seed)
-    columns = ["ranker", *METRIC_KEYS, "n", "batches", "fit_s"]
+    columns = ["unit", "ranker", *METRIC_KEYS, "n", "batches", "fit_s"]
     all_rows = []
     for title, rows, note in results:
         print_table(f"{title}  [{note}]", rows, columns)
         all_rows.extend({"setting": title, **row} for row in rows)
-    print("paper (Qwen2.5-7B ranker, Table 4): recall@20/10/5% = 0.87 / 0.82 / 0.76")
+    print("unit: sample = each response ranked on its own (n responses); group-mean / group-max = the "
+          "held-out responses of one prompt in a batch as one GRPO group, truth = their mean / max length "
+          "(n groups); see streamrl.ranker.evaluate")
+    print("paper (Qwen2.5-7B ranker, Table 4, per sample): recall@20/10/5% = 0.87 / 0.82 / 0.76")
     write_json(args.out, {"data": args.data, "data_dir": str(data_dir), "rankers": list(rankers),
                           "seed": args.seed, "decay": args.decay, "rows": all_rows})
     return 0

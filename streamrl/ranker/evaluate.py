@@ -25,6 +25,20 @@ Beside each ranker, every protocol reports:
   including unseen ones (the data README's ceiling for a prompt-only ranker; NaN where no prompt
   has two samples);
 - ``random``: exact expectation (recall = k/n, Spearman 0).
+
+Units (the ``unit`` column). ``sample``: every response is ranked on its own, as above. For GRPO
+the dispatch unit is the group of n samples of one prompt, so each row is also computed per
+group: within an evaluation batch, the samples of one prompt key form a group whose truth is the
+mean (``group-mean``) or the max (``group-max``: when the group finishes) of their lengths, and
+whose score is the mean of their scores (identical for text and history rankers). Recall and
+Spearman are then over the groups of a batch (``n`` counts groups), averaged by group count;
+a batch with fewer than two groups is left out. The group-level oracle cannot use the group's own
+samples: it is ``oracle (other samples)``, the mean of the prompt's samples outside the group,
+where every group has some (held-out samples, streaming); else ``oracle (half vs half)``: each
+group's samples split alternately into two halves, one half's mean ranks the other half's
+mean / max, averaged over both directions (held-out prompts, where a group is all of a prompt's
+samples). Its truth is half a group, noisier than the rankers' truth, so it is a lower bound on
+the group-level noise ceiling; NaN where groups have single samples.
 """
 
 from __future__ import annotations
@@ -45,6 +59,8 @@ from streamrl.ranker.base import Ranker, make_ranker
 from streamrl.ranker.metrics import DEFAULT_FRACS, ceiling_scores, rank_metrics
 
 METRIC_KEYS = tuple(f"recall@{f * 100:g}%" for f in DEFAULT_FRACS) + ("spearman",)
+UNITS = ("sample", "group-mean", "group-max")
+_REDUCE = {"group-mean": np.mean, "group-max": np.max}
 
 
 @dataclass(frozen=True)
@@ -177,41 +193,114 @@ def batch_metrics(preds: Iterable[Prediction], scores_of: Callable[[Prediction],
     return out
 
 
-def reference_rows(preds: list[Prediction], all_records: Sequence[LengthRecord]) -> list[dict]:
-    """The ceiling (seen), oracle (other samples) and random rows for one protocol's predictions."""
-    loo = ceiling_scores([r.key for r in all_records], [r.length for r in all_records])
-    loo_of = {id(r): s for r, s in zip(all_records, loo)}
-    has_other = len({r.key for r in all_records}) < len(all_records)
+def _weighted_metrics(batches: list[tuple[Sequence[float], Sequence[float]]]) -> dict[str, float]:
+    """rank_metrics of each (truth, scores) batch with two or more entries, averaged by size."""
+    batches = [(t, s) for t, s in batches if len(t) >= 2]
+    total = sum(len(t) for t, _ in batches)
+    out = {m: (0.0 if total else float("nan")) for m in METRIC_KEYS}
+    for truth, scores in batches:
+        for m, v in rank_metrics(truth, scores).items():
+            out[m] += v * len(truth) / total
+    out["n"] = total
+    out["batches"] = len(batches)
+    return out
+
+
+def _groups(preds: Iterable[Prediction], scores_of: Callable[[Prediction], np.ndarray]
+            ) -> dict[str, dict[str, tuple[list[LengthRecord], list[float]]]]:
+    """batch -> prompt key -> (that prompt's records in the batch, their scores)."""
+    out: dict[str, dict[str, tuple[list, list]]] = defaultdict(lambda: defaultdict(lambda: ([], [])))
+    for p in preds:
+        for r, s in zip(p.records, np.asarray(scores_of(p), dtype=np.float64).tolist()):
+            recs, scores = out[p.batch][r.key]
+            recs.append(r)
+            scores.append(s)
+    return out
+
+
+def _reducer(unit: str) -> Callable:
+    if unit not in _REDUCE:
+        raise ValueError(f"unknown group unit {unit!r}; known: {sorted(_REDUCE)}")
+    return _REDUCE[unit]
+
+
+def group_metrics(preds: Iterable[Prediction], scores_of: Callable[[Prediction], np.ndarray],
+                  unit: str) -> dict[str, float]:
+    """Metrics over prompt groups (``unit`` ``group-mean`` / ``group-max``; see the module docstring)."""
+    reduce = _reducer(unit)
+    return _weighted_metrics([([float(reduce([r.length for r in recs])) for recs, _ in groups.values()],
+                               [float(np.mean(scores)) for _, scores in groups.values()])
+                              for groups in _groups(preds, scores_of).values()])
+
+
+def group_oracle(preds: Sequence[Prediction], all_records: Sequence[LengthRecord], unit: str) -> dict:
+    """The group-level oracle row: other samples of the prompt if every group has some, else half vs half."""
+    reduce = _reducer(unit)
+    groups = _groups(preds, lambda p: np.zeros(len(p.records)))
+    by_key: dict[str, list[LengthRecord]] = defaultdict(list)
+    for r in all_records:
+        by_key[r.key].append(r)
+    outside: dict[tuple[str, str], list[float]] = {}
+    for batch, gs in groups.items():
+        for key, (recs, _) in gs.items():
+            inside = {id(r) for r in recs}
+            outside[batch, key] = [r.length for r in by_key[key] if id(r) not in inside]
+    if all(outside.values()):
+        return {"ranker": "oracle (other samples)",
+                **_weighted_metrics([([float(reduce([r.length for r in recs])) for recs, _ in gs.values()],
+                                      [float(np.mean(outside[batch, key])) for key in gs])
+                                     for batch, gs in groups.items()])}
+    halves = [[(recs[0::2], recs[1::2]) for recs, _ in gs.values() if len(recs) >= 2] for gs in groups.values()]
+    directions = [_weighted_metrics([([float(reduce([r.length for r in pair[1 - a]])) for pair in batch],
+                                      [float(np.mean([r.length for r in pair[a]])) for pair in batch])
+                                     for batch in halves]) for a in (0, 1)]
+    return {"ranker": "oracle (half vs half)", **{m: (directions[0][m] + directions[1][m]) / 2 for m in METRIC_KEYS},
+            "n": directions[0]["n"], "batches": directions[0]["batches"]}
+
+
+def reference_rows(preds: list[Prediction], all_records: Sequence[LengthRecord], unit: str = "sample") -> list[dict]:
+    """The ceiling (seen), oracle and random rows for one protocol's predictions, in ``unit``."""
+    if unit not in UNITS:
+        raise ValueError(f"unknown unit {unit!r}; known: {UNITS}")
+
+    def metrics(scores_of: Callable[[Prediction], np.ndarray]) -> dict[str, float]:
+        return batch_metrics(preds, scores_of) if unit == "sample" else group_metrics(preds, scores_of, unit)
 
     def seen_ceiling(p: Prediction) -> np.ndarray:
         return ceiling_scores([r.key for r in p.records], [r.length for r in p.records],
                               [r.key for r in p.seen], [r.length for r in p.seen])
 
-    rows = [{"ranker": "ceiling (seen)", **batch_metrics(preds, seen_ceiling)}]
-    if has_other:
+    rows = [{"ranker": "ceiling (seen)", **metrics(seen_ceiling)}]
+    if unit != "sample":
+        rows.append(group_oracle(preds, all_records, unit))
+    elif len({r.key for r in all_records}) < len(all_records):
+        loo = ceiling_scores([r.key for r in all_records], [r.length for r in all_records])
+        loo_of = {id(r): s for r, s in zip(all_records, loo)}
         rows.append({"ranker": "oracle (other samples)",
                      **batch_metrics(preds, lambda p: np.array([loo_of[id(r)] for r in p.records]))})
     else:
         rows.append({"ranker": "oracle (other samples)", **{m: float("nan") for m in METRIC_KEYS},
                      "n": rows[0]["n"], "batches": rows[0]["batches"]})
-    rand = batch_metrics(preds, lambda p: np.zeros(len(p.records)))
-    rand["spearman"] = 0.0  # expectation; a constant score's Spearman is undefined
+    rand = metrics(lambda p: np.zeros(len(p.records)))
+    rand["spearman"] = 0.0 if rand["n"] else float("nan")  # expectation; a constant score's is undefined
     rows.append({"ranker": "random", **rand})
-    return rows
+    return [{"unit": unit, **row} for row in rows]
 
 
 def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[str],
              ranker_kwargs: dict[str, dict] | None = None, test_records: Sequence[LengthRecord] | None = None,
              folds: int | None = None, seed: int = 0) -> list[dict]:
-    """Rows ``{"protocol", "ranker", recall@..., "spearman", "n", "batches", "fit_s"}`` for one protocol.
+    """Rows ``{"protocol", "unit", "ranker", recall@..., "spearman", "n", "batches"}`` for one protocol.
 
     ``protocol`` is ``prompts``, ``samples``, ``streaming`` or ``transfer`` (then ``records`` is the
-    training set and ``test_records`` the evaluation set).
+    training set and ``test_records`` the evaluation set). First the ``sample`` rows (rankers with
+    ``fit_s``, the wall time of the whole protocol, then the reference rows), then the same for
+    each group unit.
     """
     import time
 
     ranker_kwargs = ranker_kwargs or {}
-    rows, preds = [], None
+    rows, ranker_preds = [], []
     for name in rankers:
         def factory(name=name):
             return make_ranker(name, **ranker_kwargs.get(name, {}))
@@ -229,11 +318,17 @@ def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[s
         else:
             raise ValueError(f"unknown protocol {protocol!r}; known: prompts, samples, streaming, transfer")
         elapsed = time.perf_counter() - t0
-        rows.append({"ranker": name, **batch_metrics(preds, lambda p: p.scores), "fit_s": elapsed})
-    if preds is None:
+        ranker_preds.append((name, preds))
+        rows.append({"unit": "sample", "ranker": name, **batch_metrics(preds, lambda p: p.scores), "fit_s": elapsed})
+    if not ranker_preds:
         raise ValueError("no rankers given")
     every = list(records) + list(test_records or [])
-    rows.extend(reference_rows(preds, every))
+    layout = ranker_preds[-1][1]  # every ranker's predictions cover the same records and seen sets
+    rows.extend(reference_rows(layout, every))
+    for unit in UNITS[1:]:
+        rows.extend({"unit": unit, "ranker": name, **group_metrics(preds, lambda p: p.scores, unit)}
+                    for name, preds in ranker_preds)
+        rows.extend(reference_rows(layout, every, unit))
     return [{"protocol": protocol, **row} for row in rows]
 
 
