@@ -418,18 +418,18 @@ class FSDPGroupTrainer(Trainer):
     memory), is skipped, and only what those inherited methods read is set here. The trainer
     actor then needs no CPU of its own: the ranks do the work.
 
-    ``bundles`` (one per rank) default to the placement plan's trainer bundles: ``placement.
-    trainer_gpus`` GPUs on ``device=cuda``, ``trainer.fsdp_ranks`` CPU bundles on ``device=cpu``.
+    The ranks get the placement plan's trainer bundles: ``placement.trainer_gpus`` GPUs on
+    ``device=cuda``, ``trainer.fsdp_ranks`` CPU bundles on ``device=cpu``.
     """
 
-    def __init__(self, cfg: Config, bundles: list[dict[str, float]] | None = None, strategy: str | None = None) -> None:
+    def __init__(self, cfg: Config) -> None:
         if cfg.trainer.kl_coef > 0 or cfg.trainer.algo != "grpo":
             raise ValueError(f"FSDPGroupTrainer supports GRPO without a reference model; got trainer.algo="
                              f"{cfg.trainer.algo!r}, trainer.kl_coef={cfg.trainer.kl_coef}")
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.ref = self.critic = self.critic_old = self.critic_opt = None
         self.version = self.steps = 0
-        self.group = FSDPTrainerGroup(cfg, bundles=bundles, strategy=strategy)
+        self.group = FSDPTrainerGroup(cfg)
 
     def train_step(self, items: list[Prepared]) -> dict[str, float]:
         if not items:
