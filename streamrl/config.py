@@ -104,6 +104,9 @@ class GenerationConfig(_Section):
     max_requests_per_batch: int = Field(64, ge=1)
     num_blocks: int = Field(512, ge=8)
     page_size: int = Field(32, ge=1)
+    cb_attention: Literal["varlen", "dense"] = Field(
+        "varlen", description="transformers engine on CPU: 'varlen' attends each request to its own keys "
+                              "(sgs/engines/varlen_attention.py); 'dense' is transformers' packed masked attention")
 
 
 class RankerConfig(_Section):

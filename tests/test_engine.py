@@ -67,3 +67,42 @@ def test_make_engine_rejects_unknown_names_and_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown engine 'vllm-typo'.*'transformers', 'vllm'"):
         make_engine("vllm-typo", tiny_qwen2())
     assert set(ENGINES) == {"transformers", "vllm"}
+
+
+def test_varlen_attention_generates_what_dense_attention_generates(monkeypatch):
+    """The varlen CB attention (each request attends to its own keys) must give the dense path's
+    greedy tokens and log-probs, through chunked prefill mixed with decoding and with grouped KV
+    heads; and it must really run (a broken routing would silently fall back to dense)."""
+    import streamrl.sgs.engines.varlen_attention as va
+
+    calls = {"n": 0}
+    real = va.varlen_paged_attention
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(va, "varlen_paged_attention", counted)
+    prompts = [tuple((7 * i + j) % (VOCAB - 1) + 1 for j in range(3 + 11 * i)) for i in range(6)]
+    results = {}
+    for mode in ("dense", "varlen"):
+        e = make_engine("transformers", tiny_qwen2(), temperature=0.0, num_blocks=128, page_size=32,
+                        max_batch_tokens=24, max_requests_per_batch=6, attention=mode)
+        try:
+            for i, p in enumerate(prompts):
+                e.add_request(req(f"{mode}-{i}", 12 + 5 * i, prompt=p))
+            results[mode] = {c.request_id.split("-")[1]: c for c in collect(e, len(prompts))}
+        finally:
+            e.shutdown()
+        if mode == "dense":
+            assert calls["n"] == 0
+    assert calls["n"] > 0
+    for i, d in results["dense"].items():
+        v = results["varlen"][i]
+        assert v.output_ids == d.output_ids
+        assert torch.allclose(torch.tensor(v.logprobs), torch.tensor(d.logprobs), atol=1e-4)
+
+
+def test_unknown_attention_mode_is_rejected():
+    with pytest.raises(ValueError, match="attention"):
+        make_engine("transformers", tiny_qwen2(), attention="flash")

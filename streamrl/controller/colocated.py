@@ -31,10 +31,13 @@ from streamrl.types import Completion, GenRequest, Sample
 
 def engine_kwargs(cfg: Config, tokenizer, threads: int, instance: str, seed: int) -> dict:
     g = cfg.generation
-    return dict(temperature=g.temperature, top_p=g.top_p, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, max_batch_tokens=g.max_batch_tokens,
-                max_requests_per_batch=g.max_requests_per_batch, num_blocks=g.num_blocks, page_size=g.page_size,
-                num_threads=threads, seed=seed, instance=instance)
+    kw = dict(temperature=g.temperature, top_p=g.top_p, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id, max_batch_tokens=g.max_batch_tokens,
+              max_requests_per_batch=g.max_requests_per_batch, num_blocks=g.num_blocks, page_size=g.page_size,
+              num_threads=threads, seed=seed, instance=instance)
+    if g.engine == "transformers":
+        kw["attention"] = g.cb_attention
+    return kw
 
 
 def run_to_completion(engine, requests: list[GenRequest]) -> list[Completion]:

@@ -1,0 +1,147 @@
+"""Per-request (varlen) attention for transformers' continuous batching on CPU.
+
+Why. Without flash attention, continuous batching (CB) runs ``paged|eager``: it packs every
+running request's new tokens into one query sequence and every request's cached tokens into
+one key sequence, and multiplies them densely under a block-diagonal mask. One decode step with
+B running requests of context c then costs B x (B x c) query-key products, almost all masked
+away. Measured on the tiny policy, 1 thread, ms per decode step:
+
+    context   B=1    B=4    B=16    B=64
+      10      4.1    4.7     5.1    10.9
+     120      4.2    4.9    14.8   182.9
+     230      4.1    7.2    36.9   501.6
+
+so a batch that holds long requests is up to ~50x slower per token than it needs to be, and
+the cost of a request depends on the contexts of the others in its batch. Flash/paged kernels
+on a GPU (and vLLM) attend each request to its own keys only.
+
+What. ``varlen_paged_attention`` has the signature of transformers' attention functions.
+``install()`` registers it under the two names CB runs with (``sdpa``, the tiny policy's
+default, and ``paged|eager``), each wrapped so that a call *without* CB's paged cache goes to
+transformers' original function unchanged. It does the same cache update as the originals,
+then attends each request to its own keys only (from ``cu_seq_lens_q`` / ``cu_seq_lens_k``):
+the decoding requests (one new token each) share one SDPA over their keys padded to the
+longest, ``[B, heads, 1, max_k]``; a request in prefill (a chunk of q new tokens, k keys) gets
+its own causal SDPA where query t sees keys ``j <= k - q + t``, so a prefill chunk never pads
+the decoders' queries. Cost: B x max_k + sum(q x k) over prefill chunks, instead of
+(sum q) x (sum k). The outputs go back into the packed layout CB expects. It is the same
+softmax over the same keys (log-probs agree with the dense path to ~1e-5).
+
+Scope. ``install(model)`` marks that model's attention layers and wraps two entries of
+transformers' process-wide attention registry. Only marked layers called with CB's paged cache
+take the varlen path: standard forwards (the colocated trainer's, on its own model copy),
+engines built with ``attention="dense"`` and layers with attention sinks or a sliding window
+reach transformers' original functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+_installed = False
+VARLEN_FLAG = "_streamrl_varlen"  # set on the attention layers of engines that use this path
+
+
+@dataclass
+class _Plan:
+    """Index tensors of one CB step; every layer of the step reuses them."""
+
+    decode_rows: torch.Tensor | None  # packed query row of each decoding request
+    decode_keys: torch.Tensor | None  # [B, max_k] packed key index (clamped padding)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_k] True where the key is the request's own
+    prefill: list[tuple[slice, slice, torch.Tensor]]  # (query rows, key rows, causal mask)
+
+
+_last_plan: tuple[tuple, _Plan] | None = None
+
+
+def _plan(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, n_keys: int) -> _Plan:
+    global _last_plan
+    cu_q, cu_k = cu_seq_q.tolist(), cu_seq_k.tolist()
+    sig = (tuple(cu_q), tuple(cu_k), n_keys)
+    if _last_plan is not None and _last_plan[0] == sig:
+        return _last_plan[1]
+    decode, prefill = [], []
+    for i in range(len(cu_q) - 1):
+        n_q, n_k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if n_q == 1:
+            decode.append(i)
+        elif n_q > 1:
+            mask = torch.ones(n_q, n_k, dtype=torch.bool).tril_(n_k - n_q)
+            prefill.append((slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1]), mask))
+    rows = keys = mask = None
+    if decode:
+        idx = torch.tensor(decode)
+        starts, lens = torch.tensor(cu_k[:-1])[idx], (torch.tensor(cu_k[1:]) - torch.tensor(cu_k[:-1]))[idx]
+        ar = torch.arange(int(lens.max()))
+        rows = torch.tensor(cu_q[:-1])[idx]
+        keys = (starts[:, None] + ar).clamp(max=n_keys - 1)
+        mask = (ar[None, :] < lens[:, None])[:, None, None, :]
+    plan = _Plan(rows, keys, mask, prefill)
+    _last_plan = (sig, plan)
+    return plan
+
+
+@torch.compiler.disable
+def varlen_paged_attention(module, query, key, value, attention_mask, scaling, **kwargs):
+    """Attention of CB's packed batch, each request attending only to its own keys (see module doc).
+
+    ``query``: [1, heads, Nq, d] (packed new tokens); ``key``/``value``: [1, kv_heads, Nq, d]
+    before the cache update. Returns ``([1, Nq, heads, d], None)`` like transformers' functions."""
+    cache = kwargs.pop("cache", None)
+    if cache is None:
+        raise ValueError("varlen_paged_attention needs continuous batching's paged cache (kwargs['cache'])")
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    plan = _plan(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], key.shape[2])
+    gqa = query.shape[1] != key.shape[1]
+    q_all, k_all, v_all = query[0], key[0], value[0]  # [heads, N, d]
+    packed = q_all.new_zeros((q_all.shape[1], q_all.shape[0], q_all.shape[2]))  # [Nq, heads, d]
+    if plan.decode_rows is not None:
+        # Decoding requests (one new token each): one batched SDPA over keys padded to the longest.
+        q = q_all[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, d]
+        k = k_all[:, plan.decode_keys].transpose(0, 1)  # [B, kv_heads, max_k, d]
+        v = v_all[:, plan.decode_keys].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=gqa)
+        packed[plan.decode_rows] = out[:, :, 0]
+    for qs, ks, mask in plan.prefill:
+        # Prefill chunks: each request alone, causal with its past as offset (few per step).
+        out = F.scaled_dot_product_attention(q_all[None, :, qs], k_all[None, :, ks], v_all[None, :, ks],
+                                             attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        packed[qs] = out[0].transpose(0, 1)
+    return packed.unsqueeze(0), None
+
+
+def _routed(original):
+    """``original`` for standard forwards and special layers; varlen for CB's paged-cache calls."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        special = hasattr(module, "sinks") or getattr(module, "sliding_window", None)
+        opted_in = getattr(module, VARLEN_FLAG, False)
+        if special or not opted_in or not isinstance(kwargs.get("cache"), PagedAttentionCache):
+            return original(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return varlen_paged_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+
+    return attention
+
+
+def install(model) -> None:
+    """Route ``model``'s CB attention (``sdpa`` and ``paged|eager``) through
+    ``varlen_paged_attention``: mark its attention layers, and (once per process) wrap the two
+    registry entries so marked layers with a paged cache take the varlen path."""
+    global _installed
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            setattr(module, VARLEN_FLAG, True)
+    if _installed:
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.eager_paged import eager_paged_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("sdpa", _routed(sdpa_attention_forward))
+    AttentionInterface.register("paged|eager", _routed(eager_paged_attention_forward))
+    _installed = True
