@@ -89,7 +89,7 @@ class GenerationConfig(_Section):
     n_samples: int = Field(8, ge=1, description="samples per prompt (GRPO group size)")
     prompts_per_iter: int = Field(16, ge=1)
     num_instances: int = Field(1, ge=1)
-    dispatch: str = Field("round-robin", description="dispatch policy: random | round-robin | least-loaded | skewness-aware")
+    dispatch: str = Field("round-robin", description="dispatch policy: random | round-robin | least-loaded | skewness-aware | skewness-search")
     order: Literal["fifo", "lpt"] = Field("fifo", description="admission order inside an instance: arrival, or "
                                           "longest predicted first (needs the ranker)")
     latency_profile: str | None = Field(None, description="PTL profile JSON (`streamrl profile`) read by skewness-aware "

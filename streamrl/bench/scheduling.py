@@ -8,6 +8,8 @@ wall time from submitting the batch to its last sampled token (engine timestamps
     skew-aware + ranker              Algorithm 2 on the ranker's scores, LPT inside instances
     skew-aware + oracle              Algorithm 2 on the true lengths, LPT
     ... each again + rebalance       ``policies.rebalance`` moving not-yet-started requests
+    search + ranker / oracle         ``skewness-search``: Algorithm 2 with the long-tail fraction
+                                     searched and each split simulated (ours; policies/dispatch.py)
 
 Why greedy decoding. An oracle must know this run's lengths before the run. With sampling the
 lengths depend on the random stream, which the continuous-batching engine draws for the whole
@@ -72,8 +74,11 @@ CONFIGS = (
     SchedConfig("random+fifo+rebalance", "random", "fifo", "none", True),
     SchedConfig("skew+ranker+rebalance", "skewness-aware", "lpt", "ranker", True),
     SchedConfig("skew+oracle+rebalance", "skewness-aware", "lpt", "oracle", True),
+    SchedConfig("search+ranker", "skewness-search", "lpt", "ranker", False),
+    SchedConfig("search+oracle", "skewness-search", "lpt", "oracle", False),
+    SchedConfig("search+ranker+rebalance", "skewness-search", "lpt", "ranker", True),
 )
-TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75}
+TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75, "search+ranker": 0.85, "search+oracle": 0.75}
 
 
 def lower_bound_s(lengths, latency, instances: int, batch: int) -> dict[str, float]:
@@ -201,8 +206,10 @@ def bench_scheduling(cfg: Config, prompts: int = 512, instances: int = 2, batch:
         for rep in range(repeats):
             shift = rep % len(configs)
             for c in list(configs[shift:]) + list(configs[:shift]):
-                kwargs = ({"seed": cfg.run.seed + rep} if c.dispatch == "random" else
-                          {"latency": latency, "alpha": g.skew_alpha, "max_batch_size": batch, "history": history})
+                kwargs = {"seed": cfg.run.seed + rep} if c.dispatch == "random" else {
+                    "latency": latency, "max_batch_size": batch, "history": history}
+                if c.dispatch == "skewness-aware":
+                    kwargs["alpha"] = g.skew_alpha
                 sgs.configure(c.dispatch, c.order, c.rebalance, kwargs)
                 reqs = builder.build(batch_prompts, 0, tag=f"{c.name}-{rep}-")
                 pred = None if c.predictions == "none" else [

@@ -19,6 +19,9 @@ inputs (and seed) give the same assignment, and nothing here imports Ray, torch 
   themselves when none is given). For every split ``N_long + N_regular = N`` predict each pool's
   latency with ``PTL(BS) * L * ceil(M_pool_per_instance / BS)`` and keep the best split; inside a
   pool, requests go longest-first to the instance with the least predicted load.
+- ``skewness-search`` (ours, beyond the paper): Algorithm 2 with the long-tail fraction searched
+  (0 included) and every candidate split simulated under the PTL model instead of the P90/P50
+  formula; see ``SkewSearchDispatch``.
 
 **Sum or max of the two pools' latencies.** The paper prints the *sum*; we minimise the *max*
 (``combine="max"``, the default). The two pools run at the same time on disjoint instances, so
@@ -194,11 +197,113 @@ class SkewnessAwareDispatch:
         return out
 
 
+def instance_makespan_s(lengths: Sequence[float], latency: LatencyModel, max_batch_size: int) -> float:
+    """Decode time of one instance under the PTL model: requests admitted longest-first (LPT), at
+    most ``max_batch_size`` running, every running request gains one token per step and a step
+    with ``b`` running costs ``PTL(b)``. Event-driven (one event per finish), so O(M log M)."""
+    import heapq
+
+    queue = sorted((max(float(x), 0.0) for x in lengths), reverse=True)
+    running: list[float] = []  # finish step of each running request
+    step = elapsed = 0.0
+    nxt = 0
+    while nxt < len(queue) or running:
+        while nxt < len(queue) and len(running) < max_batch_size:
+            heapq.heappush(running, step + queue[nxt])
+            nxt += 1
+        finish = heapq.heappop(running)
+        elapsed += latency.seconds_per_token(len(running) + 1) * (finish - step)
+        step = finish
+    return elapsed
+
+
+@dataclass(frozen=True)
+class SearchedSplit:
+    """The (alpha, long-tail instances) that ``SkewSearchDispatch`` chose, and its prediction."""
+
+    alpha: float
+    long_instances: int
+    long_requests: int
+    predicted_s: float
+
+
+class SkewSearchDispatch:
+    """Algorithm 2 with the long-tail fraction searched and each candidate simulated.
+
+    The paper fixes ``alpha`` (20 %) and predicts a pool by ``PTL(BS) * L * ceil(M/BS)`` with
+    L = P90 (long) or P50 (regular). On an instance that admits all its requests at once the
+    longest request sets the end and the batch shrinks as the short ones finish, which that
+    formula does not see; and the best long-tail fraction depends on the PTL curve and the
+    batch. So here, for every ``alpha`` in ``alphas`` (0 = no long-tail pool) and every split
+    ``k`` long-tail instances out of N:
+
+    1. requests sorted by predicted length; the r-th longest of n gets the recent distribution's
+       (``history``) quantile ``1 - r/(n-1)``: the longest its max, the shortest its min (only the
+       ranking's order is used);
+    2. the top ``alpha`` go longest-first to the least-loaded of the ``k`` long-tail instances,
+       the rest the same way over the other ``N - k`` (``k = 0``: everything over all N);
+    3. each instance's decode time is simulated (``instance_makespan_s``: LPT admission, batch
+       limit, PTL of the running count), and the candidate's cost is the slowest instance.
+
+    The cheapest candidate wins (ties to the smaller alpha, then fewer long-tail instances).
+    ``last_split`` records it."""
+
+    name = "skewness-search"
+
+    def __init__(self, latency: LatencyModel = H800_QWEN7B_VLLM, max_batch_size: int | None = None,
+                 history: Sequence[float] | None = None, alphas: Sequence[float] = (0.0, 0.025, 0.05, 0.1, 0.2, 0.3)) -> None:
+        bad = [a for a in alphas if not 0 <= a < 1]
+        if bad or not alphas:
+            raise ValueError(f"alphas={list(alphas)}: need a non-empty list of long-tail fractions in [0, 1)")
+        self.latency = latency
+        self.max_batch_size = max_batch_size or latency.max_batch_size
+        self.history = list(history) if history is not None else None
+        self.alphas = sorted(set(float(a) for a in alphas))
+        self.last_split: SearchedSplit | None = None
+
+    def observe(self, output_lengths: Sequence[float]) -> None:
+        """Replace the recent output-length distribution (call once per iteration)."""
+        self.history = list(output_lengths)
+
+    def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
+        _check(num_instances)
+        n = len(predicted_lengths)
+        if n == 0:
+            return []
+        order = sorted(range(n), key=lambda i: -predicted_lengths[i])
+        hist = self.history if self.history else list(predicted_lengths)
+        est = [0.0] * n  # the r-th longest request's length: the history quantile at rank r
+        for r, i in enumerate(order):  # the longest gets the history's max, the shortest its min
+            est[i] = _quantile(hist, 1.0 - r / (n - 1) if n > 1 else 0.5)
+        best: tuple[float, float, int, list[int], int] | None = None
+        for alpha in self.alphas:
+            n_long = round(alpha * n)
+            splits = [0] if n_long == 0 or n_long == n else range(1, num_instances)
+            for k in splits:
+                out = [0] * n
+                if k == 0:
+                    _greedy_least_loaded(est, order, range(num_instances), out)
+                else:
+                    _greedy_least_loaded(est, order[:n_long], range(k), out)
+                    _greedy_least_loaded(est, order[n_long:], range(k, num_instances), out)
+                per_inst: dict[int, list[float]] = {}
+                for i, inst in enumerate(out):
+                    per_inst.setdefault(inst, []).append(est[i])
+                cost = max(instance_makespan_s(v, self.latency, self.max_batch_size) for v in per_inst.values())
+                if best is None or cost < best[0] - 1e-12:
+                    best = (cost, alpha, k, out, n_long if k else 0)
+        assert best is not None
+        cost, alpha, k, out, n_long = best
+        self.last_split = SearchedSplit(alpha, k, n_long, cost)
+        return out
+
+
 DISPATCH_POLICIES: dict[str, type] = {
     "random": RandomDispatch,
     "round-robin": RoundRobinDispatch,
     "least-loaded": LeastLoadedDispatch,
     "skewness-aware": SkewnessAwareDispatch,
+    "skewness-search": SkewSearchDispatch,
 }
 
 

@@ -66,7 +66,7 @@ from streamrl.types import Completion, GenRequest
 
 log = logging.getLogger(__name__)
 
-NEEDS_LENGTHS = ("skewness-aware", "least-loaded")
+NEEDS_LENGTHS = ("skewness-aware", "skewness-search", "least-loaded")
 
 
 def make_online_ranker(cfg: Config) -> OnlineRanker | None:
@@ -145,6 +145,8 @@ class StreamGenerationService:
             if g.latency_profile is None:
                 log.warning("skewness-aware dispatch without generation.latency_profile: using the paper's H800 PTL table")
             return {"latency": self.latency, "alpha": g.skew_alpha, "max_batch_size": g.max_requests_per_batch}
+        if name == "skewness-search":
+            return {"latency": self.latency, "max_batch_size": g.max_requests_per_batch}
         return {}
 
     # ------------------------------------------------------------------------------- instances
