@@ -261,3 +261,17 @@ def test_skewness_search_isolates_the_tail_when_big_batches_are_slow():
 def test_skewness_search_rejects_bad_alphas():
     with pytest.raises(ValueError, match="alphas"):
         make_dispatch_policy("skewness-search", alphas=(0.2, 1.5))
+
+
+def test_instance_makespan_pays_for_context_when_the_profile_has_a_kv_cost():
+    from streamrl.policies.dispatch import instance_makespan_s
+
+    # PTL 1 s at any batch size, 0.1 s per context token held; prompts of 2 tokens.
+    lat = LatencyModel(((1, 1000.0), (2, 1000.0)), extra={"kv_ms_per_token": 100.0})
+    assert lat.kv_ms_per_token == 100.0
+    # One request of 3 tokens: its steps hold 2, 3, 4 context tokens -> 3 x 1 s + 0.1 x 9.
+    assert instance_makespan_s([3], lat, 1, prompt_len=2) == pytest.approx(3.9)
+    # Lengths 3 and 1 together: step 1 holds 2 + 2 tokens (1.4 s); then the long one alone with
+    # 3 and 4 tokens (1.3 s + 1.4 s).
+    assert instance_makespan_s([3, 1], lat, 2, prompt_len=2) == pytest.approx(4.1)
+    assert instance_makespan_s([3, 1], FLAT, 2, prompt_len=2) == pytest.approx(0.03)  # no kv term: 3 steps of 10 ms

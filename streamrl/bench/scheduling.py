@@ -27,9 +27,13 @@ prompts' lengths (the "recent distribution"), never from the batch.
 
 Latency model and lower bound. PTL(BS) of one instance is measured here first (the engine with
 EOS unreachable, one thread, batch sizes up to ``batch``; ``sgs.engines.profile``) or read from
-``profile``. Dispatch and rebalancing read it. The lower bound is the longer of the longest
-sample alone (``PTL(1) x L_max``) and all tokens at the peak rate (``instances x max_b b / PTL(b)``,
-``b <= batch``); it ignores prefill and admission, so it is optimistic.
+``profile``, and so is the context term (``kv_ms_per_token``: the same batch of 16 with 200
+more prompt tokens each; a decode step on this CPU engine costs about PTL(B) plus 0.002 ms per
+context token the running requests hold). Dispatch and rebalancing read it; ``skewness-search``
+uses the context term, the paper's ``skewness-aware`` does not. The lower bound is the longer of
+the longest sample alone (``PTL(1)`` per token plus its own context cost) and all tokens at the
+peak rate (``instances x max_b b / PTL(b)``, ``b <= batch``); it ignores prefill, admission and
+the other requests' context, so it is optimistic.
 
 Batch size. ``max_requests_per_batch`` (``batch``) is set well below each instance's share of
 the batch (``prompts / instances``), so requests queue inside an instance and their admission
@@ -81,11 +85,14 @@ CONFIGS = (
 TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75, "search+ranker": 0.85, "search+oracle": 0.75}
 
 
-def lower_bound_s(lengths, latency, instances: int, batch: int) -> dict[str, float]:
-    """The longer of the longest sample alone and all tokens at the engine's peak rate."""
+def lower_bound_s(lengths, latency, instances: int, batch: int, prompt_len: float = 0.0) -> dict[str, float]:
+    """The longer of the longest sample alone (with its own context cost when the profile has
+    one) and all tokens at the engine's peak rate."""
+    from streamrl.policies.dispatch import instance_makespan_s
+
     sizes = [b for b, _ in latency.points if b <= batch] or [latency.points[0][0]]
     peak = max(latency.tokens_per_s(b) for b in sizes)
-    longest = latency.seconds_per_token(1) * max(lengths)
+    longest = instance_makespan_s([max(lengths)], latency, 1, prompt_len)
     all_tokens = float(sum(lengths)) / (instances * peak)
     return {"lower_bound_s": max(longest, all_tokens), "longest_alone_s": longest, "all_tokens_at_peak_s": all_tokens,
             "peak_tokens_per_s_per_instance": peak}
@@ -99,7 +106,7 @@ def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
 
     from streamrl.controller.colocated import engine_kwargs
     from streamrl.models.tiny import load_policy
-    from streamrl.policies.latency import from_measurements
+    from streamrl.policies.latency import LatencyModel, from_measurements
     from streamrl.sgs.engines.base import make_engine
     from streamrl.sgs.engines.profile import profile_decode_latency
 
@@ -109,13 +116,22 @@ def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
     prev = torch.get_num_threads()
     engine = make_engine(cfg.generation.engine, copy.deepcopy(model).eval(),
                          **{**engine_kwargs(cfg, tok, 1, "profile", cfg.run.seed), "eos_token_id": None})
+    kv_b, extra_ctx = min(batch, 16), 200
     try:
         rows = profile_decode_latency(engine, sizes, prompt_len=prompt_len, new_tokens=32, seed=cfg.run.seed)
+        # The context term: the same batch with 200 more prompt tokens each.
+        long_ctx = profile_decode_latency(engine, [kv_b], prompt_len=prompt_len + extra_ctx, new_tokens=32,
+                                          seed=cfg.run.seed)[0]["ms_per_token"]
     finally:
         engine.shutdown()
         torch.set_num_threads(prev)
-    return from_measurements([r["batch_size"] for r in rows], [r["ms_per_token"] for r in rows],
-                             engine=cfg.generation.engine, model=cfg.policy.path, device="cpu")
+    short_ctx = next(r["ms_per_token"] for r in rows if r["batch_size"] == kv_b)
+    kv = max(long_ctx - short_ctx, 0.0) / (kv_b * extra_ctx)
+    echo(f"scheduling: context cost {kv:.5f} ms per running context token (batch {kv_b}, +{extra_ctx} tokens)")
+    model_ = from_measurements([r["batch_size"] for r in rows], [r["ms_per_token"] for r in rows],
+                               engine=cfg.generation.engine, model=cfg.policy.path, device="cpu")
+    return LatencyModel(model_.points, model_.engine, model_.model, model_.device,
+                        {"kv_ms_per_token": kv, "prompt_len": prompt_len})
 
 
 def _cpu(sgs) -> dict[str, float]:
@@ -200,7 +216,7 @@ def bench_scheduling(cfg: Config, prompts: int = 512, instances: int = 2, batch:
         ranker_row = {"ranker": ranker, **rank_metrics(true, [scores[p.prompt_id] for p in batch_prompts]),
                       "fit_s": fit_s, "score_s": score_s, "train_prompts": len(other_len)}
         history = list(other_len.values())
-        bound = lower_bound_s(true, latency, instances, batch)
+        bound = lower_bound_s(true, latency, instances, batch, prompt_len)
 
         runs: dict[str, list[dict]] = {c.name: [] for c in configs}
         for rep in range(repeats):
@@ -210,6 +226,8 @@ def bench_scheduling(cfg: Config, prompts: int = 512, instances: int = 2, batch:
                     "latency": latency, "max_batch_size": batch, "history": history}
                 if c.dispatch == "skewness-aware":
                     kwargs["alpha"] = g.skew_alpha
+                if c.dispatch == "skewness-search":
+                    kwargs["prompt_len"] = prompt_len
                 sgs.configure(c.dispatch, c.order, c.rebalance, kwargs)
                 reqs = builder.build(batch_prompts, 0, tag=f"{c.name}-{rep}-")
                 pred = None if c.predictions == "none" else [

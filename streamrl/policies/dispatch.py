@@ -197,22 +197,33 @@ class SkewnessAwareDispatch:
         return out
 
 
-def instance_makespan_s(lengths: Sequence[float], latency: LatencyModel, max_batch_size: int) -> float:
-    """Decode time of one instance under the PTL model: requests admitted longest-first (LPT), at
-    most ``max_batch_size`` running, every running request gains one token per step and a step
-    with ``b`` running costs ``PTL(b)``. Event-driven (one event per finish), so O(M log M)."""
+def instance_makespan_s(lengths: Sequence[float], latency: LatencyModel, max_batch_size: int,
+                        prompt_len: float = 0.0) -> float:
+    """Decode time of one instance under the latency model: requests admitted longest-first
+    (LPT), at most ``max_batch_size`` running, every running request gains one token per step,
+    and a step with ``b`` running requests holding ``C`` context tokens (``prompt_len`` each plus
+    what they generated) costs ``PTL(b) + kv_ms_per_token x C``. Event-driven (one event per
+    finish; the context sum grows linearly in between), so O(M log M)."""
     import heapq
 
+    kv_s = latency.kv_ms_per_token / 1000.0
     queue = sorted((max(float(x), 0.0) for x in lengths), reverse=True)
-    running: list[float] = []  # finish step of each running request
+    running: list[tuple[float, float]] = []  # (finish step, admission step) of each running request
+    admitted_sum = 0.0  # sum of the running requests' admission steps
     step = elapsed = 0.0
     nxt = 0
     while nxt < len(queue) or running:
         while nxt < len(queue) and len(running) < max_batch_size:
-            heapq.heappush(running, step + queue[nxt])
+            heapq.heappush(running, (step + queue[nxt], step))
+            admitted_sum += step
             nxt += 1
-        finish = heapq.heappop(running)
-        elapsed += latency.seconds_per_token(len(running) + 1) * (finish - step)
+        b = len(running)
+        finish, admitted = running[0]
+        span = finish - step
+        context = b * (prompt_len + step) - admitted_sum  # tokens held at the first step of the span
+        elapsed += latency.seconds_per_token(b) * span + kv_s * (context * span + b * span * (span - 1) / 2)
+        heapq.heappop(running)
+        admitted_sum -= admitted
         step = finish
     return elapsed
 
@@ -243,7 +254,9 @@ class SkewSearchDispatch:
     2. the top ``alpha`` go longest-first to the least-loaded of the ``k`` long-tail instances,
        the rest the same way over the other ``N - k`` (``k = 0``: everything over all N);
     3. each instance's decode time is simulated (``instance_makespan_s``: LPT admission, batch
-       limit, PTL of the running count), and the candidate's cost is the slowest instance.
+       limit, PTL of the running count plus the profile's per-context-token cost, with
+       ``prompt_len`` tokens of prompt per request), and the candidate's cost is the slowest
+       instance.
 
     The cheapest candidate wins (ties to the smaller alpha, then fewer long-tail instances).
     ``last_split`` records it."""
@@ -251,7 +264,8 @@ class SkewSearchDispatch:
     name = "skewness-search"
 
     def __init__(self, latency: LatencyModel = H800_QWEN7B_VLLM, max_batch_size: int | None = None,
-                 history: Sequence[float] | None = None, alphas: Sequence[float] = (0.0, 0.025, 0.05, 0.1, 0.2, 0.3)) -> None:
+                 history: Sequence[float] | None = None, alphas: Sequence[float] = (0.0, 0.025, 0.05, 0.1, 0.2, 0.3),
+                 prompt_len: float = 0.0) -> None:
         bad = [a for a in alphas if not 0 <= a < 1]
         if bad or not alphas:
             raise ValueError(f"alphas={list(alphas)}: need a non-empty list of long-tail fractions in [0, 1)")
@@ -259,6 +273,7 @@ class SkewSearchDispatch:
         self.max_batch_size = max_batch_size or latency.max_batch_size
         self.history = list(history) if history is not None else None
         self.alphas = sorted(set(float(a) for a in alphas))
+        self.prompt_len = prompt_len
         self.last_split: SearchedSplit | None = None
 
     def observe(self, output_lengths: Sequence[float]) -> None:
@@ -289,7 +304,8 @@ class SkewSearchDispatch:
                 per_inst: dict[int, list[float]] = {}
                 for i, inst in enumerate(out):
                     per_inst.setdefault(inst, []).append(est[i])
-                cost = max(instance_makespan_s(v, self.latency, self.max_batch_size) for v in per_inst.values())
+                cost = max(instance_makespan_s(v, self.latency, self.max_batch_size, self.prompt_len)
+                           for v in per_inst.values())
                 if best is None or cost < best[0] - 1e-12:
                     best = (cost, alpha, k, out, n_long if k else 0)
         assert best is not None
