@@ -30,6 +30,17 @@ def test_profile_writes_a_loadable_profile(tiny_policy_dir, tmp_path, capsys):
     assert prof.extra["threads"] == 1 and prof.extra["trainer_threads"] == 1
     assert prof.extra["params"] > 1000 and prof.extra["prompt_len_mean"] > 1
     assert len(prof.extra["sample_out_lens"]) == 8 and "colocated" not in prof.extra
+    assert prof.kv_ms_per_token >= 0 and prof.extra["kv"]["batch_size"] == 4
+    # prepare calls of 1, 2, 4 and all 8 units (PPO: samples), each timed, and the fitted call cost
+    tr = prof.extra["train"]
+    calls = tr["prepare_calls"]
+    assert [c["units"] for c in calls] == [1] * 4 + [2] * 4 + [4] * 2 + [8]
+    assert all(c["s"] > 0 and c["passes"] >= 1 and c["padded_tokens"] >= c["tokens"] for c in calls)
+    assert tr["prepare_s_per_pass"] > 0 and tr["prepare_s_per_padded_token"] >= 0
+    # the batched call of all 8 costs less per sample than calls of one (shared forward passes)
+    single = min(c["s"] for c in calls if c["units"] == 1)
+    assert calls[-1]["s"] / 8 < single
+    assert "prepare calls" in printed
 
 
 def test_profile_missing_policy_exits_2(tmp_path, capsys):

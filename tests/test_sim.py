@@ -158,35 +158,91 @@ def test_simulate_cli_writes_json(tmp_path):
     assert all(r["samples_per_s"] > 0 and r["model"] == "qwen2.5-7b" and r["gpus"] == 32 for r in rows)
 
 
-def test_profiled_train_charges_per_sequence_and_per_token():
-    t = C.ProfiledTrain(1000.0, per_seq_s=0.01)
-    assert np.allclose(t.seq_train_s([10, 20]), [0.02, 0.03])
-    assert np.isclose(C.ProfiledTrain(1000.0, devices=2, per_seq_s=0.01).train_s([10, 20]), 0.025)
-    assert np.isclose(C.ProfiledTrain(1000.0).train_s([10, 20]), 0.03)  # combined rate: tokens only
+def test_profiled_train_charges_a_prepare_call_in_batched_passes():
+    from dataclasses import replace
+
+    from streamrl.trainer.trainer import Prepared, micro_batches
+
+    lens = [30, 12, 50, 7, 7, 41, 60, 25]
+    items = sorted((Prepared(list(range(n)), 1, [], 0.0, 0, "p") for n in lens), key=lambda p: p.num_tokens)
+    # the simulator cuts passes exactly as the live trainer's prepare does (sorted, then micro_batches)
+    assert C.micro_batch_shapes(lens, 100) == [(len(mb), max(p.num_tokens for p in mb)) for mb in micro_batches(items, 100)]
+    t = C.ProfiledTrain(1000.0, prepare_pass_s=0.01, prepare_token_s=1e-5, micro_batch_tokens=100)
+    passes = C.micro_batch_shapes(lens, 100)
+    assert t.prepare_s(lens) == pytest.approx(0.01 * len(passes) + 1e-5 * sum(r * m for r, m in passes))
+    assert t.prepare_s([]) == 0.0
+    assert t.prepare_s(lens) < sum(t.prepare_s([n]) for n in lens)  # 4 passes instead of 8
+    wide = replace(t, micro_batch_tokens=4096)  # one pass for all 8: far less than 8 calls of one
+    assert wide.prepare_s(lens) < 0.25 * sum(wide.prepare_s([n]) for n in lens)
+    assert np.allclose(t.seq_train_s([10, 20]), [0.01, 0.02])  # optimizer steps: per token only
+    assert t.train_s([10, 20]) == pytest.approx(t.prepare_s([10, 20]) + 0.03)
+    assert C.ProfiledTrain(1000.0, devices=2, prepare_pass_s=0.01).train_s([10, 20]) == pytest.approx(0.02)
+    assert C.ProfiledTrain(1000.0).train_s([10, 20]) == pytest.approx(0.03)  # combined rate: tokens only
+
+
+def test_stream_calls_follow_the_outbox_rule():
+    from streamrl.sim.systems import call_stream_train
+
+    one_pass = C.ProfiledTrain(1e9, prepare_pass_s=0.1).prepare_s  # 0.1 s per call of any size here
+    zero = np.zeros(5)
+    # t=0: alone (trainer free) until 0.1; 0.05-0.07 finish while it is busy and wait; the sample
+    # at 0.5 finds it free and takes them along: two calls in all.
+    end, busy = call_stream_train(np.array([0.0, 0.05, 0.06, 0.07, 0.5]), np.full(5, 10.0), zero, one_pass, 0.0, 1e15)
+    assert (end, busy) == pytest.approx((0.6, 0.2))
+    # generation ends while the trainer is busy: the outbox goes when it is free
+    end, busy = call_stream_train(np.array([0.0, 0.05, 0.06, 0.07]), np.full(4, 10.0), zero[:4], one_pass, 0.0, 1e15)
+    assert (end, busy) == pytest.approx((0.2, 0.2))
+    # a trainer still busy (stream-async: the previous iteration) gets the first call queued behind it
+    end, busy = call_stream_train(np.array([0.0, 0.05, 0.5]), np.full(3, 10.0), zero[:3], one_pass, 0.3, 1e15)
+    assert (end, busy) == pytest.approx((0.6, 0.2))
+    # a trainer that keeps up pays one call per sample; optimizer steps every 20 tokens, remainder at the end
+    free = C.ProfiledTrain(1e9).prepare_s
+    end, busy = call_stream_train(np.array([0.0, 1.0, 2.0, 3.0, 4.0]), np.full(5, 10.0), np.full(5, 0.2), free, 0.0, 20)
+    assert (end, busy) == pytest.approx((4.2, 1.0))  # steps at samples 2 and 4 (0.4 each), the last alone (0.2)
+    end, busy = call_stream_train(np.array([0.0, 1.0, 2.0, 3.0, 4.0]), np.full(5, 10.0), zero, one_pass, 0.0, 1e15)
+    assert (end, busy) == pytest.approx((4.1, 0.5))
+
+
+def test_stream_modes_prepare_in_batched_calls_when_the_trainer_lags():
+    """Expensive prepare passes (0.5 s each): while the trainer is busy, finishing samples pile up
+    and go together, so a stream iteration pays a few passes instead of one per sample (32 s);
+    disagg-batch pays one for the whole iteration."""
+    train = C.ProfiledTrain(50_000.0, prepare_pass_s=0.5, micro_batch_tokens=1 << 20)
+    prof = LatencyModel(((1, 5.0), (8, 8.0), (32, 20.0)), "transformers", "tiny", "cpu")
+    m, g = get_model("qwen2.5-7b"), get_gpu("H800")
+    dep = Deployment(m, g, 2, 1, g, 1, decode_override=C.ProfiledDecode(prof), train_override=train)
+    wl = r1_workload(256, num_prompts=64)
+    res = {name: run_system(get_system(name), dep, wl, iterations=3) for name in ("disagg-batch", "stream-sync", "stream-async")}
+    for name in ("stream-sync", "stream-async"):
+        assert all(1.0 < r["t_train"] < 0.25 * 64 * 0.5 for r in res[name].iterations)
+    one_call = max(r["t_train"] for r in res["disagg-batch"].iterations)
+    assert one_call < min(r["t_train"] for r in res["stream-sync"].iterations)
+    assert res["stream-async"].samples_per_s > res["disagg-batch"].samples_per_s
 
 
 def tiny_profile(colocated: bool = True) -> dict:
-    """A profile in ``streamrl profile``'s format with round numbers (split trainer form)."""
+    """A profile in ``streamrl profile``'s format with round numbers (call trainer form)."""
     prof = {"points": [{"batch_size": 1, "ms_per_token": 2.0}, {"batch_size": 64, "ms_per_token": 10.0}],
             "train_tokens_per_s": 1000.0, "threads": 1, "prompt_len_mean": 10.0,
             "prefill": {"s_per_request": 0.001, "tokens_per_s": 10 / 0.001},
             "train": {"train_tokens_per_s": 1000.0, "train_step_tokens_per_s": 2000.0, "prepare_unit": "sample",
-                      "prepare_s_per_unit": 0.01, "prepare_s_per_token": 0.0}}
+                      "prepare_s_per_pass": 0.01, "prepare_s_per_padded_token": 1e-5, "micro_batch_tokens": 1000}}
     if colocated:
         prof["colocated"] = {"threads": 2, "points": [{"batch_size": 1, "ms_per_token": 4.0},
                                                       {"batch_size": 64, "ms_per_token": 20.0}],
                              "train_tokens_per_s": 800.0,
                              "prefill": {"s_per_request": 0.002, "tokens_per_s": 10 / 0.002},
                              "train": {"train_step_tokens_per_s": 4000.0, "prepare_unit": "sample",
-                                       "prepare_s_per_unit": 0.02, "prepare_s_per_token": 0.0}}
+                                       "prepare_s_per_pass": 0.02, "prepare_s_per_padded_token": 2e-5,
+                                       "micro_batch_tokens": 1000}}
     return prof
 
 
 def test_live_colocated_step_is_generation_plus_install_plus_training():
     """One instance, 128 requests of equal length L, at most 64 running: two waves of 64
     admissions + prefills and L decode steps at PTL(64); then the weight install; then 128 x
-    (per-sample prepare + (p + L) tokens at the optimizer-step rate), all from the profile's
-    colocated (2-thread) numbers."""
+    (p + L) tokens at the optimizer-step rate after one prepare call of all 128 (passes of 33 x 30
+    padded tokens under the 1000-token budget), all from the profile's colocated (2-thread) numbers."""
     from streamrl.sim import live
 
     L, n = 20, 128
@@ -194,12 +250,13 @@ def test_live_colocated_step_is_generation_plus_install_plus_training():
                                    lengths=[L], iterations=3, modes=("colocated", "disagg-batch"))
     rows = {r["mode"]: r for r in res["rows"]}
     gen = n * 0.002 + 2 * L * 0.020
-    train = n * (0.02 + (10 + L) / 4000.0)
+    passes = -(-n // 33)  # 33 rows of 30 tokens fit in 1000
+    train = passes * 0.02 + n * (10 + L) * 2e-5 + n * (10 + L) / 4000.0
     assert rows["colocated"]["sim_gen_s"] == pytest.approx(gen)
     assert rows["colocated"]["sim_train_s"] == pytest.approx(train)
     assert rows["colocated"]["sim_step_s"] == pytest.approx(gen + live.WEIGHT_INSTALL_S + train)
     # disaggregated: 1-thread numbers, nothing overlaps in disagg-batch
-    gen1, train1 = n * 0.001 + 2 * L * 0.010, n * (0.01 + (10 + L) / 2000.0)
+    gen1, train1 = n * 0.001 + 2 * L * 0.010, passes * 0.01 + n * (10 + L) * 1e-5 + n * (10 + L) / 2000.0
     assert rows["disagg-batch"]["sim_gen_s"] == pytest.approx(gen1)
     assert rows["disagg-batch"]["sim_train_s"] == pytest.approx(train1)
     assert rows["disagg-batch"]["sim_step_s"] == pytest.approx(gen1 + train1, rel=1e-3)  # + a tiny-weight push
@@ -217,6 +274,38 @@ def test_live_falls_back_to_combined_rate_and_thread_scaling():
     row = res["rows"][0]
     assert row["sim_train_s"] == pytest.approx(128 * 30 / 2000.0)  # 1000 tok/s x 2 (training twice as fast)
     assert row["sim_gen_s"] == pytest.approx(2 * 20 * 0.020)  # generation half as fast
+
+
+def test_profiled_decode_charges_context_beyond_the_ptl_runs():
+    from streamrl.sim import live
+
+    lat = LatencyModel(((1, 2.0), (8, 4.0)), "transformers", "tiny", "cpu", {"kv_ms_per_token": 0.001})
+    ctx = live.ptl_context({"prompt_len_mean": 8.9, "new_tokens": 32})
+    assert ctx == 25.0  # 9-token prompts, 32 decode steps
+    d = live._deployment(live.tiny_shape({}), lat, C.ProfiledTrain(1000.0), 1, 8, profiled_context=ctx).decode_override
+    assert d.step_s(8, 8 * ctx) == pytest.approx(0.004)  # at the profiled context: PTL itself
+    assert d.step_s(8, 8 * (ctx + 100)) == pytest.approx(0.004 + 800 * 1e-6)
+    assert C.ProfiledDecode(lat).step_s(8, 1e6) == pytest.approx(0.004)  # context-free by default
+
+
+def test_live_rejects_the_old_per_unit_prepare_form():
+    from streamrl.sim import live
+
+    prof = tiny_profile(colocated=False)
+    prof["train"] = {"train_step_tokens_per_s": 2000.0, "prepare_unit": "sample", "prepare_s_per_unit": 0.01}
+    with pytest.raises(ValueError, match="re-run `streamrl profile`"):
+        live.profiled_train(prof)
+
+
+def test_fit_prepare_calls_recovers_pass_and_token_costs():
+    from streamrl.planner.profile_live import call_sizes, fit_prepare_calls
+
+    rows = [{"passes": p, "padded_tokens": t, "s": 0.006 * p + 2e-6 * t} for p, t in ((1, 30), (1, 500), (3, 9000), (5, 16000))]
+    assert fit_prepare_calls(rows) == pytest.approx((0.006, 2e-6))
+    rows = [{"passes": p, "padded_tokens": t, "s": 0.006 * p - 1e-7 * t} for p, t in ((1, 30), (2, 8000), (5, 16000))]
+    pass_s, token_s = fit_prepare_calls(rows)  # a negative token term is noise: per pass only
+    assert token_s == 0.0 and pass_s > 0
+    assert call_sizes(128) == [1, 2, 4, 8, 16, 32, 64, 128] and call_sizes(6) == [1, 2, 4, 6] and call_sizes(1) == [1]
 
 
 def test_fit_per_sample_recovers_overhead_and_slope():

@@ -17,19 +17,26 @@ What is measured, all on the configured policy and with real tokens (nothing is 
   which is what the bench's means over iterations see on a quiet machine. Profile on a quiet
   machine: other processes only add time, and far more to a 2-thread OpenMP team than to one
   thread (``REPEATS``'s note).
+* **Context cost** ``kv_ms_per_token`` (``policies.latency.LatencyModel``'s context term):
+  ``kv_cost``, the same engine's PTL at batch ``KV_BATCH`` with ``KV_EXTRA_CONTEXT`` more prompt
+  tokens each, as ``bench scheduling`` measures it (also in the colocated layout).
 * **Trainer costs** at ``trainer.threads`` threads: the engine (EOS reachable) first generates
   one iteration of the real workload (``prompts_per_iter x n_samples`` synthetic-task requests),
-  the samples are scored with the task reward, then one untimed warm-up step and ``train_steps``
-  timed steps run, each exactly what the live trainer does with a dynamic batch: ``prepare`` per
-  live unit (reference log-probs, critic values, GAE for PPO; the unit is one sample for PPO and a
-  prompt's group for GRPO, as ``controller/pipelines.py`` and ``controller/colocated.py`` cut
-  them) and one ``Trainer.train_step``. Recorded: the combined rate ``train_tokens_per_s`` =
-  (prompt + response tokens) / (prepare + step seconds), the optimizer steps' own
-  ``train_step_tokens_per_s``, and the per-unit prepare cost fitted over the timed units as
-  ``prepare_s_per_unit + prepare_s_per_token * tokens``. On the tiny policy a PPO unit's
-  prepare is two batch-1 forwards (reference, critic), dominated by per-call overhead rather than
-  tokens, so charging it per token (as the combined rate does) is only right at the profiled
-  length; ``sim.live`` uses the split form.
+  the samples are scored with the task reward, then the live trainer's two kinds of work are
+  timed on them (``measure_train``): optimizer steps (one untimed warm-up step and
+  ``train_steps`` timed ones on dynamic batches of ``trainer.step_tokens``:
+  ``train_step_tokens_per_s``) and *prepare calls*: ``Trainer.prepare_groups`` (reference
+  log-probs, critic values, GAE for PPO) on calls of 1, 2, 4, ... live units and on the whole
+  iteration (the unit is one sample for PPO and a prompt's group for GRPO, as
+  ``controller/pipelines.py`` and ``controller/colocated.py`` cut them). ``prepare_groups``
+  sorts a call's samples by length and runs shared forward passes of ``trainer.micro_batch_tokens``
+  padded tokens, so its cost is fitted as ``prepare_s_per_pass * passes +
+  prepare_s_per_padded_token * padded tokens`` (``fit_prepare_calls``): on the tiny policy a pass
+  is dominated by per-call overhead, so one call of 128 samples costs a small fraction of 128
+  calls of one. ``sim.cost.ProfiledTrain`` charges that per call, ``sim.systems`` forms the calls
+  as the live controller does. Also recorded: the combined rate ``train_tokens_per_s`` = (prompt
+  + response tokens) / (prepare + step seconds) of the timed steps, each step's batch prepared
+  in one call.
 * **Colocated numbers** (optional, ``colocated_threads``; default ``cluster.num_cpus``): both of the
   above again at the colocated worker's thread count, in its process layout (``measure_colocated``:
   an engine alive beside the trainer, which changes libgomp's spinning), stored under
@@ -41,7 +48,9 @@ The profile file is ``policies.latency``'s format plus extra keys::
      "train_tokens_per_s": ..., "threads": 1, "trainer_threads": 1, "params": 1234567,
      "prompt_len_mean": 21.3, "new_tokens": 32, "train": {...}, "sample_out_lens": [...],
      "shape": {...}, "prefill": {"s_per_request": ..., "tokens_per_s": ..., "rows": [...]},
-     "colocated": {"threads": 2, "points": [...], "train_tokens_per_s": ..., "train": {...}, "prefill": {...}}}
+     "kv_ms_per_token": ..., "kv": {...},
+     "colocated": {"threads": 2, "points": [...], "train_tokens_per_s": ..., "train": {...}, "prefill": {...},
+                   "kv_ms_per_token": ..., "kv": {...}}}
 
 ``sample_out_lens`` are the output lengths of the generated iteration (the policy's own length
 distribution at profiling time; ``simulate modes`` can replay them).
@@ -90,7 +99,7 @@ def _cpu_name() -> str:
 
 
 REPEATS = 3
-"""Each timed piece (a PTL point, a one-token run, a unit's prepare, an optimizer step) is measured
+"""Each timed piece (a PTL point, a one-token run, a prepare call, an optimizer step) is measured
 this many times and the median kept. Medians, not minima: the bench reports means over
 iterations, and on a quiet machine two profiles taken 30 minutes apart with minima differed by
 27% in optimizer-step rate (1731 vs 2204 tokens/s) while each was 11-13% off the bench's own.
@@ -131,13 +140,34 @@ def decode_rows(engine, vocab: int, batch_sizes: Sequence[int], prompt_len: int,
     return rows, [{"batch_size": b, "one_token_s": float(np.median(one[b])), "prompt_len": prompt_len} for b in sorted(one)]
 
 
+KV_BATCH, KV_EXTRA_CONTEXT = 16, 200
+"""The context term is measured as ``bench scheduling`` measures it (``bench.scheduling._measure_latency``):
+PTL of a batch of ``KV_BATCH`` with ``KV_EXTRA_CONTEXT`` more prompt tokens each, minus PTL of the
+same batch at the profiled prompt length, per added running context token."""
+
+
+def kv_cost(engine, rows: Sequence[dict], prompt_len: int, new_tokens: int, seed: int, repeats: int = REPEATS) -> dict:
+    """``kv_ms_per_token`` (``policies.latency.LatencyModel``'s context term) of ``engine``, whose
+    PTL ``rows`` are already measured (median of ``repeats``, like them)."""
+    from streamrl.sgs.engines.profile import profile_decode_latency
+
+    by = {int(r["batch_size"]): r["ms_per_token"] for r in rows}
+    b = max((x for x in by if x <= KV_BATCH), default=min(by))
+    long_ms = float(np.median([profile_decode_latency(engine, [b], prompt_len=prompt_len + KV_EXTRA_CONTEXT,
+                                                      new_tokens=new_tokens, seed=seed)[0]["ms_per_token"]
+                               for _ in range(max(1, repeats))]))
+    return {"kv_ms_per_token": max(long_ms - by[b], 0.0) / (b * KV_EXTRA_CONTEXT),
+            "batch_size": b, "extra_context": KV_EXTRA_CONTEXT, "ms_per_token_short": by[b], "ms_per_token_long": long_ms}
+
+
 def measure_decode(cfg: Config, model, tokenizer, threads: int, batch_sizes: Sequence[int], prompt_len: int,
-                   new_tokens: int, seed: int, repeats: int = REPEATS) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
-    """``decode_rows`` of a fresh engine at ``threads`` threads (shut down afterwards)."""
+                   new_tokens: int, seed: int, repeats: int = REPEATS) -> tuple[list[dict], list[dict], dict]:
+    """``decode_rows`` and ``kv_cost`` of a fresh engine at ``threads`` threads (shut down afterwards)."""
     engine = decode_engine(cfg, model, tokenizer, threads, seed)
     try:
-        return decode_rows(engine, int(model.config.get_text_config().vocab_size), batch_sizes, prompt_len,
-                           new_tokens, seed, repeats)
+        points, one = decode_rows(engine, int(model.config.get_text_config().vocab_size), batch_sizes, prompt_len,
+                                  new_tokens, seed, repeats)
+        return points, one, kv_cost(engine, points, prompt_len, new_tokens, seed, repeats)
     finally:
         engine.shutdown()
 
@@ -165,11 +195,13 @@ def measure_colocated(cfg: Config, model, tokenizer, samples: list, threads: int
         _engine_run(engine, _prompts(8, prompt_len, vocab, cfg.run.seed), 4)  # its loop thread's team exists now
         train = measure_train(cfg, samples, threads, train_steps, repeats)
         points, one = decode_rows(engine, vocab, batch_sizes, prompt_len, new_tokens, cfg.run.seed, repeats)
+        kv = kv_cost(engine, points, prompt_len, new_tokens, cfg.run.seed, repeats)
     finally:
         engine.shutdown()
     return {"threads": threads, "layout": "engine and trainer in one process (as controller.colocated.ColocatedWorker)",
             "points": [{"batch_size": r["batch_size"], "ms_per_token": r["ms_per_token"]} for r in points],
             "train_tokens_per_s": train["train_tokens_per_s"], "train": train, "rows": points,
+            "kv_ms_per_token": kv["kv_ms_per_token"], "kv": kv,
             "prefill": {**fit_prefill(one, points), "rows": one}}
 
 
@@ -237,8 +269,7 @@ def voluntary_switches() -> int:
 def live_units(samples: list, algo: str) -> list[list]:
     """The trainer's per-sample work units, as the live pipelines cut them
     (``controller/pipelines.py`` and ``controller/colocated.py``): a prompt's group for GRPO
-    (advantages need the whole group), one sample for PPO. ``Trainer.prepare`` runs one
-    reference and one critic forward per unit, so the unit sets how many forwards there are."""
+    (advantages need the whole group), one sample for PPO. A trainer call carries whole units."""
     from streamrl.controller.common import group_samples
 
     return group_samples(samples) if algo == "grpo" else [[s] for s in samples]
@@ -258,12 +289,73 @@ def fit_per_sample(seconds: Sequence[float], tokens: Sequence[int]) -> tuple[flo
     return float(a), float(b)
 
 
+def fit_prepare_calls(rows: Sequence[dict]) -> tuple[float, float]:
+    """Least squares ``s = pass_s * passes + token_s * padded_tokens`` over timed prepare calls
+    (``measure_prepare_calls``' rows): ``(pass_s, token_s)``, both >= 0 (a negative term is noise:
+    it is set to 0 and the other refitted through the data). No intercept: a call of one unit is
+    one pass, so a per-call constant cannot be told apart from the per-pass one."""
+    if not rows:
+        raise ValueError("no timed prepare calls to fit")
+    x = np.asarray([[r["passes"], r["padded_tokens"]] for r in rows], float)
+    y = np.asarray([r["s"] for r in rows], float)
+    (pass_s, token_s), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if pass_s < 0:
+        return 0.0, float(x[:, 1] @ y / (x[:, 1] @ x[:, 1]))
+    if token_s < 0:
+        return float(x[:, 0] @ y / (x[:, 0] @ x[:, 0])), 0.0
+    return float(pass_s), float(token_s)
+
+
+CALLS_PER_SIZE = 4
+"""Timed prepare calls per call size (consecutive units in completion order, like the stream
+controller's calls); fewer where the iteration holds fewer units."""
+
+
+def call_sizes(n_units: int) -> list[int]:
+    """Call sizes to time, in units: powers of two below ``n_units``, and ``n_units`` (the whole
+    iteration in one call, as disagg-batch and colocated prepare)."""
+    return sorted({1 << k for k in range(max(1, n_units).bit_length()) if 1 << k < n_units} | {max(1, n_units)})
+
+
+def measure_prepare_calls(tr, units: list[list], micro_batch_tokens: int, repeats: int = REPEATS) -> list[dict]:
+    """Seconds of ``Trainer.prepare_groups`` (the live trainer's prepare: all units of a call in
+    shared, length-sorted forward passes of ``micro_batch_tokens`` padded tokens) on calls of
+    ``call_sizes`` units, median of ``repeats`` per call, with each call's passes and padded
+    tokens (``sim.cost.micro_batch_shapes``, the trainer's cut rule)."""
+    from streamrl.sim.cost import micro_batch_shapes
+
+    calls = [units[i * k:(i + 1) * k] for k in call_sizes(len(units)) for i in range(min(CALLS_PER_SIZE, len(units) // k))]
+    runs: list[list[float]] = []
+    for _ in range(max(1, repeats)):
+        tr.begin_iteration()
+        one = []
+        for call in calls:
+            t0 = time.perf_counter()
+            tr.prepare_groups(call)
+            one.append(time.perf_counter() - t0)
+        runs.append(one)
+    secs = np.median(np.asarray(runs), axis=0)
+    rows = []
+    for call, sec in zip(calls, secs):
+        lens = [len(s.completion.prompt_ids) + len(s.completion.output_ids) for g in call for s in g]
+        shapes = micro_batch_shapes(lens, micro_batch_tokens)
+        rows.append({"units": len(call), "samples": len(lens), "tokens": sum(lens), "passes": len(shapes),
+                     "padded_tokens": int(sum(r * m for r, m in shapes)), "s": float(sec)})
+    return rows
+
+
 def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3, repeats: int = REPEATS) -> dict[str, float]:
     """Trainer costs at ``threads`` threads, on real samples, exactly as the live trainer works:
-    ``prepare`` per live unit (``live_units``: one sample for PPO), then ``train_step`` per
-    dynamic batch. Returns the combined rate ``train_tokens_per_s`` (tokens / (prepare + step))
-    and its two parts: the optimizer steps' ``train_step_tokens_per_s`` and the per-unit
-    ``prepare`` cost fitted as ``prepare_s_per_unit + prepare_s_per_token * tokens``."""
+    ``prepare_groups`` once per call on the call's units (``live_units``), ``train_step`` per
+    dynamic batch. Two measurements:
+
+    * optimizer steps: one untimed warm-up step, then ``steps`` timed ones, each on a dynamic batch
+      of ``trainer.step_tokens`` prepared in one call (``train_step_tokens_per_s``, and the
+      combined ``train_tokens_per_s`` = tokens / (those prepares + steps));
+    * prepare calls (``measure_prepare_calls``) of 1, 2, 4, ... units and of the whole iteration,
+      fitted as ``prepare_s_per_pass * passes + prepare_s_per_padded_token * padded tokens``
+      (``fit_prepare_calls``): the cost of a call of any size, which ``sim.cost.ProfiledTrain``
+      charges."""
     from streamrl.trainer.trainer import Trainer, dynamic_batches
 
     tcfg = cfg.model_copy(deep=True)
@@ -271,19 +363,11 @@ def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3, repe
     tr = Trainer(tcfg)
     units = live_units(samples, cfg.trainer.algo)
     batches = dynamic_batches(units, cfg.trainer.step_tokens, tokens=_sample_group_tokens)
-    unit_s: list[float] = []
-    unit_tokens: list[int] = []
 
-    def one_step(batch: list[list], record: bool) -> tuple[float, float, int]:
+    def one_step(batch: list[list]) -> tuple[float, float, int]:
         tr.begin_iteration()
         t0 = time.perf_counter()
-        groups = []
-        for g in batch:
-            a = time.perf_counter()
-            groups.append(tr.prepare(g))
-            if record:
-                unit_s.append(time.perf_counter() - a)
-                unit_tokens.append(_sample_group_tokens(g))
+        groups = tr.prepare_groups(batch)
         if cfg.trainer.algo == "grpo":
             tr.set_group_advantages(groups)
         t1 = time.perf_counter()
@@ -291,29 +375,25 @@ def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3, repe
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, sum(p.num_tokens for g in groups for p in g)
 
-    one_step(batches[0], False)  # warm-up (allocator, first backward)
+    one_step(batches[0])  # warm-up (allocator, first backward)
     timed = [batches[(k + 1) % len(batches)] for k in range(max(1, steps))]
+    prep_runs: list[list[float]] = []
     step_runs: list[list[float]] = []
-    unit_runs: list[list[float]] = []
-    tokens = 0
     switches = voluntary_switches()
-    for rep in range(max(1, repeats)):  # the same units and steps each time; keep the median of each
-        unit_s.clear()
-        unit_tokens.clear()
-        steps_s = []
-        for batch in timed:
-            _, b, n = one_step(batch, True)
-            steps_s.append(b)
-            tokens += n if rep == 0 else 0
-        step_runs.append(steps_s)
-        unit_runs.append(list(unit_s))
+    for _ in range(max(1, repeats)):  # the same batches each time; keep the median of each
+        runs = [one_step(batch) for batch in timed]
+        prep_runs.append([r[0] for r in runs])
+        step_runs.append([r[1] for r in runs])
+    tokens = sum(_sample_group_tokens(g) for batch in timed for g in batch)
     switches = (voluntary_switches() - switches) / max(1, repeats)
-    unit_s[:] = np.median(np.asarray(unit_runs), axis=0).tolist()
-    prep, step = sum(unit_s), float(np.median(np.asarray(step_runs), axis=0).sum())
-    per_unit, per_token = fit_per_sample(unit_s, unit_tokens)
+    prep = float(np.median(np.asarray(prep_runs), axis=0).sum())
+    step = float(np.median(np.asarray(step_runs), axis=0).sum())
+    calls = measure_prepare_calls(tr, units, cfg.trainer.micro_batch_tokens, repeats)
+    pass_s, token_s = fit_prepare_calls(calls)
     return {"train_tokens_per_s": tokens / (prep + step), "prepare_s": prep, "train_step_s": step,
             "train_step_tokens_per_s": tokens / step, "prepare_unit": "group" if cfg.trainer.algo == "grpo" else "sample",
-            "prepare_units": len(unit_s), "prepare_s_per_unit": per_unit, "prepare_s_per_token": per_token,
+            "prepare_calls": calls, "prepare_s_per_pass": pass_s, "prepare_s_per_padded_token": token_s,
+            "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
             "tokens": tokens, "steps": max(1, steps), "step_tokens": cfg.trainer.step_tokens,
             "algo": cfg.trainer.algo, "threads": threads, "repeats": max(1, repeats), "statistic": "median of repeats",
             "voluntary_switches_per_repeat": switches}
@@ -349,8 +429,8 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     try:
         echo(f"profile: decode latency at {g_threads} thread(s), batch sizes {batch_sizes}, {new_tokens} tokens each "
              f"(median of {repeats})")
-        points, one = measure_decode(cfg, model, tok, g_threads, batch_sizes, round(prompt_len_mean), new_tokens,
-                                     cfg.run.seed, repeats)
+        points, one, kv = measure_decode(cfg, model, tok, g_threads, batch_sizes, round(prompt_len_mean), new_tokens,
+                                         cfg.run.seed, repeats)
         echo(f"profile: generating one iteration ({cfg.generation.prompts_per_iter} prompts x "
              f"{cfg.generation.n_samples} samples) for the trainer")
         samples, gen_s = generate_samples(cfg, model, tok, task, g_threads)
@@ -371,6 +451,8 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
         "device": "cpu",
         "points": [{"batch_size": r["batch_size"], "ms_per_token": r["ms_per_token"]} for r in points],
         "train_tokens_per_s": train["train_tokens_per_s"],
+        "kv_ms_per_token": kv["kv_ms_per_token"],
+        "kv": kv,
         "threads": g_threads,
         "trainer_threads": t_threads,
         "params": int(sum(p.numel() for p in model.parameters())),
@@ -392,6 +474,11 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     if colocated:
         prof["colocated"] = colocated
     return prof
+
+
+def _prepare_desc(train: dict) -> str:
+    return (f"{train['prepare_s_per_pass'] * 1e3:.2f} ms per pass + {train['prepare_s_per_padded_token'] * 1e6:.1f} us "
+            f"per padded token (passes of {train['micro_batch_tokens']} padded tokens)")
 
 
 def run_profile(args) -> int:
@@ -440,18 +527,28 @@ def run_profile(args) -> int:
     line = (f"trainer ({tr['algo']}, {prof['trainer_threads']} thread(s)): {prof['train_tokens_per_s']:.0f} tokens/s "
             f"(prepare {tr['prepare_s']:.2f}s + train_step {tr['train_step_s']:.2f}s for {tr['tokens']} tokens, "
             f"{tr['steps']} steps)")
-    line += (f"; prepare per {tr['prepare_unit']} {tr['prepare_s_per_unit'] * 1e3:.2f} ms + "
-             f"{tr['prepare_s_per_token'] * 1e6:.1f} us/token, optimizer steps {tr['train_step_tokens_per_s']:.0f} tokens/s")
+    line += f"; prepare call {_prepare_desc(tr)}, optimizer steps {tr['train_step_tokens_per_s']:.0f} tokens/s"
     if colo:
         ct = colo["train"]
-        line += (f"; at {colo['threads']} threads: {colo['train_tokens_per_s']:.0f} tokens/s (prepare per "
-                 f"{ct['prepare_unit']} {ct['prepare_s_per_unit'] * 1e3:.2f} ms, steps {ct['train_step_tokens_per_s']:.0f} tokens/s)")
+        line += (f"; at {colo['threads']} threads: {colo['train_tokens_per_s']:.0f} tokens/s (prepare call "
+                 f"{_prepare_desc(ct)}, steps {ct['train_step_tokens_per_s']:.0f} tokens/s)")
     print(line)
+    print_table("prepare calls (Trainer.prepare_groups, median of repeats; last column: the fit)",
+                [{**r, "ms_per_sample": r["s"] * 1e3 / r["samples"],
+                  "fit_s": r["passes"] * tr["prepare_s_per_pass"] + r["padded_tokens"] * tr["prepare_s_per_padded_token"]}
+                 for r in tr["prepare_calls"]])
     pf = prof["prefill"]
     line = f"admission + prefill per request: {pf['s_per_request'] * 1e3:.2f} ms at {prof['threads']} thread(s)"
     if colo:
         line += f", {colo['prefill']['s_per_request'] * 1e3:.2f} ms at {colo['threads']} threads"
     print(line + f" (one-token runs, {pf['prompt_len']:.0f}-token prompts; median of {prof['repeats']})")
+    kv = prof["kv"]
+    line = (f"context cost: {prof['kv_ms_per_token'] * 1e3:.2f} us per running context token per step (batch "
+            f"{kv['batch_size']}: {kv['ms_per_token_short']:.2f} ms/step, {kv['ms_per_token_long']:.2f} with "
+            f"{kv['extra_context']} more prompt tokens each)")
+    if colo:
+        line += f", {colo['kv_ms_per_token'] * 1e3:.2f} us at {colo['threads']} threads"
+    print(line)
     gen = prof["generation"]
     lens = prof["sample_out_lens"]
     print(f"workload iteration ({config}: {g.prompts_per_iter} prompts x {g.n_samples}, cap {g.max_new_tokens}): "

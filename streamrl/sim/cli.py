@@ -162,12 +162,14 @@ def run_modes(args: argparse.Namespace) -> int:
                 f"{a['instances']} instance(s) + 1 trainer CPU, profile {args.profile}", rows, cols)
     print(f"  prompt {a['prompt_len']:.1f} tokens; output lengths from {source}: mean {a['mean_out_len']:.1f}, "
           f"cap {a['max_new_tokens']}; engine batch <= {a['max_batch']}, FIFO admission, admission + prefill "
-          f"{a['prefill_s_per_request'] * 1e3:.2f} ms/request ({a['colocated_prefill_s_per_request'] * 1e3:.2f} colocated)")
-    print(f"  trainer {a['trainer']} (= {a['train_tokens_per_s']:.0f} tokens/s at the mean sequence); "
-          f"stream-sync batch >= {a['stream_min_batch_tokens']} tokens; "
+          f"{a['prefill_s_per_request'] * 1e3:.2f} ms/request ({a['colocated_prefill_s_per_request'] * 1e3:.2f} colocated); "
+          f"context cost {a['kv_ms_per_token'] * 1e3:.2f} us per running token beyond {a['ptl_context']:.0f} per request "
+          f"({a['colocated_kv_ms_per_token'] * 1e3:.2f} colocated)")
+    print(f"  trainer {a['trainer']} (= {a['train_tokens_per_s']:.0f} tokens/s on an iteration of mean sequences prepared in one call); "
+          f"stream modes: an optimizer step per {a['stream_min_batch_tokens']} buffered tokens; "
           f"{a['iterations']} iterations from an idle pipeline; weight push {a['weight_push_s'] * 1e3:.2f} ms")
     print(f"  colocated ({a['colocated_threads']} threads): {a['colocated_source']}; "
-          f"trainer {a['colocated_train_tokens_per_s']:.0f} tokens/s at the mean sequence; "
+          f"trainer {a['colocated_train_tokens_per_s']:.0f} tokens/s on an iteration of mean sequences in one call; "
           f"switch (weight install) {a['colocated_switch_s'] * 1e3:.0f} ms")
     if bench is not None:
         print("  ratio = simulated / measured samples/s (step time is its inverse); within_20pct: |ratio - 1| <= 0.2")

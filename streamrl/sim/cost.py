@@ -127,12 +127,19 @@ class RooflineDecode:
 
 @dataclass(frozen=True)
 class ProfiledDecode:
-    """Decode cost read from a measured PTL profile (e.g. the live CPU engine); context-free."""
+    """Decode cost read from a measured PTL profile (e.g. the live CPU engine).
+
+    A step of ``B`` requests holding ``C`` context tokens costs ``PTL(B) + context_s_per_token *
+    (C - B * profiled_context)``: PTL was measured with every request at ``profiled_context``
+    tokens (mean over the profiling run), the profile's context term (``kv_ms_per_token``) charges
+    the difference, linearly (shorter contexts are cheaper). Context-free when it is 0."""
 
     latency: LatencyModel
     prefill_tokens_per_s: float = math.inf
     kv_capacity_tokens: int = 1 << 40
     max_batch: int = 0
+    context_s_per_token: float = 0.0
+    profiled_context: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.max_batch:
@@ -143,7 +150,8 @@ class ProfiledDecode:
         return True
 
     def step_s(self, batch: int, context_tokens: float) -> float:
-        return self.latency.seconds_per_token(batch)
+        extra = context_tokens - batch * self.profiled_context
+        return self.latency.seconds_per_token(batch) + self.context_s_per_token * extra
 
     def prefill_s(self, tokens: float) -> float:
         return tokens / self.prefill_tokens_per_s
@@ -190,6 +198,10 @@ class RooflineTrain:
     def train_s(self, seq_lens: Sequence[float]) -> float:
         return float(self.seq_train_s(seq_lens).sum())
 
+    def prepare_s(self, seq_lens: Sequence[float]) -> float:
+        """0: the reference and critic forwards are inside ``seq_flops`` (``TRAIN_FWD_EQUIVALENTS``)."""
+        return 0.0
+
     def optimizer_step_s(self) -> float:
         """One Adam step: read and write the sharded fp32 states (memory-bound)."""
         return 2 * 32 * self.model.params / (self.devices * self.gpu.hbm_bytes_per_s * ETA_MEM)
@@ -202,28 +214,62 @@ class RooflineTrain:
 @dataclass(frozen=True)
 class ProfiledTrain:
     """Training cost from measured rates on ``profile_devices`` workers: ``tokens_per_s`` per
-    prompt + response token, plus ``per_seq_s`` per sequence (work whose cost is per call rather
-    than per token, e.g. the live trainer's per-sample reference and critic forwards; 0 when the
-    profile only has a combined rate). Scaled linearly by ``devices / profile_devices``."""
+    prompt + response token of the optimizer steps, plus the cost of a *prepare call*
+    (``prepare_s``): the live trainer's per-sample work (reference log-probs, critic values,
+    GAE) for all sequences handed to it in one call, run as shared forward passes over the
+    sequences sorted by length and cut into micro-batches of ``micro_batch_tokens`` padded tokens
+    (``trainer.Trainer.prepare_groups``). Each pass costs ``prepare_pass_s`` plus
+    ``prepare_token_s`` per padded token (both fitted by ``streamrl profile``), so a call of many
+    sequences costs far less per sequence than many calls of one. Both are 0 when the profile only
+    has a combined rate (everything charged per token). Scaled linearly by
+    ``devices / profile_devices``."""
 
     tokens_per_s: float
     devices: int = 1
     profile_devices: int = 1
-    per_seq_s: float = 0.0
+    prepare_pass_s: float = 0.0
+    prepare_token_s: float = 0.0
+    micro_batch_tokens: int = 4096
+    """``trainer.micro_batch_tokens`` (its config default here; the profile records the one it measured at)."""
 
     @property
     def fits(self) -> bool:
         return True
 
     def seq_train_s(self, seq_lens: Sequence[float]) -> np.ndarray:
-        one = self.per_seq_s + np.asarray(seq_lens, float) / self.tokens_per_s
-        return one * self.profile_devices / self.devices
+        """Optimizer-step seconds of each sequence (prompt + response tokens)."""
+        return np.asarray(seq_lens, float) / self.tokens_per_s * self.profile_devices / self.devices
+
+    def prepare_s(self, seq_lens: Sequence[float]) -> float:
+        """Seconds of one prepare call over ``seq_lens`` (see the class docstring)."""
+        if not len(seq_lens) or not (self.prepare_pass_s or self.prepare_token_s):
+            return 0.0
+        passes = micro_batch_shapes(seq_lens, self.micro_batch_tokens)
+        padded = sum(rows * longest for rows, longest in passes)
+        return (len(passes) * self.prepare_pass_s + padded * self.prepare_token_s) * self.profile_devices / self.devices
 
     def train_s(self, seq_lens: Sequence[float]) -> float:
-        return float(self.seq_train_s(seq_lens).sum())
+        """One call preparing ``seq_lens`` together, then their optimizer steps."""
+        return self.prepare_s(seq_lens) + float(self.seq_train_s(seq_lens).sum())
 
     def optimizer_step_s(self) -> float:
         return 0.0
 
     def offload_s(self) -> float:
         return 0.0
+
+
+def micro_batch_shapes(seq_lens: Sequence[float], token_budget: int) -> list[tuple[int, float]]:
+    """``(rows, longest)`` of each forward pass the live trainer's prepare runs on these sequences:
+    sorted by length, then cut in order so rows x longest stays within ``token_budget`` (a longer
+    single sequence forms its own pass), the rule of ``trainer.trainer.micro_batches``."""
+    out: list[tuple[int, float]] = []
+    rows, longest = 0, 0.0
+    for n in sorted(float(x) for x in seq_lens):
+        if rows and max(longest, n) * (rows + 1) > token_budget:
+            out.append((rows, longest))
+            rows, longest = 0, 0.0
+        rows, longest = rows + 1, max(longest, n)
+    if rows:
+        out.append((rows, longest))
+    return out

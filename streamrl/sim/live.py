@@ -15,26 +15,32 @@ Assumptions of the simulated tiny setup (each printed by the command):
   synthetic task's reference solutions (``len(solution) + 1`` for EOS: the tokenizer is
   character-level).
 - **Generation**: one instance per ``generation.num_instances`` (1 in the bench) with the profile's
-  PTL(BS) (context-free; ``cost.ProfiledDecode``), at most ``generation.max_requests_per_batch``
+  PTL(BS) plus its context term ``kv_ms_per_token`` per running context token beyond the PTL
+  runs' own (``ptl_context``; ``cost.ProfiledDecode``; context-free when the profile has no
+  such term), at most ``generation.max_requests_per_batch``
   running, FIFO admission (the live engine's order when requests carry no priority), the config's
   dispatch policy. Each admitted request costs the profile's measured admission + prefill
   (``"prefill"``: one-token runs minus one decode step, per request); free when the profile
   predates that measurement (the PTL itself is measured without prefill).
 - **Training**: one trainer CPU with the profile's measured trainer costs (``cost.ProfiledTrain``),
-  in the form the profile has, best first: the split form (``streamrl profile`` since it times
-  the live unit), i.e. per sequence ``prepare_s_per_unit / unit size`` (the batch-1 reference and
-  critic forwards the live PPO trainer runs per sample: per-call overhead on the tiny policy) plus
-  every prompt + response token at ``1 / (1 / train_step_tokens_per_s + prepare_s_per_token)``;
-  else the combined ``train_tokens_per_s`` charged per token. Stream-sync's trainer starts a
-  dynamic batch once ``trainer.step_tokens`` tokens have arrived (the live rule); with
-  ``step_tokens = 0`` it waits for the whole iteration.
+  in the form the profile has, best first: the call form (``streamrl profile`` times the live
+  ``Trainer.prepare_groups`` on calls of several sizes), i.e. each trainer call prepares its
+  samples together, sorted by length, in passes of ``micro_batch_tokens`` padded tokens, at the
+  fitted ``prepare_s_per_pass`` per pass + ``prepare_s_per_padded_token`` per padded token; every
+  prompt + response token then costs ``1 / train_step_tokens_per_s`` of optimizer steps. Else the
+  combined ``train_tokens_per_s`` charged per token. The calls are the live controller's: in
+  disagg-batch (and colocated) the whole iteration in one call; in the stream modes
+  ``systems.call_stream_train``'s outbox rule (a sample finishing while the trainer is free goes
+  alone; samples finishing while it is busy go together in its next call), with an optimizer step
+  whenever ``trainer.step_tokens`` tokens are buffered (the live rule; ``step_tokens = 0``: one
+  step at the end). The simulated stream unit is one sample (PPO's, the bench's algorithm).
 - **Colocated**: one worker with ``cluster.num_cpus`` threads for both stages (the live
   ``ColocatedWorker``: Ray gives it ``num_cpus`` CPUs and OMP_NUM_THREADS, the trainer and the
-  engine both call ``torch.set_num_threads(num_cpus)``; PPO's per-sample work is prepared one
-  sample at a time there too). Its generation and training costs are the profile's
+  engine both call ``torch.set_num_threads(num_cpus)``; it prepares the whole iteration in one
+  call). Its generation and training costs are the profile's
   ``"colocated"`` numbers (measured at that thread count in the worker's process layout, an
   engine alive beside the trainer: see ``planner.profile_live.measure_colocated`` for why the
-  layout changes the costs; same split form) when it has them,
+  layout changes the costs; same call form) when it has them,
   else the 1-thread numbers scaled by the speed-ups the bench JSON's ``thread_scaling`` rows
   measured (1 -> ``num_cpus`` threads), else the 1-thread numbers unchanged, i.e. no speed-up
   from the second CPU. The switch between the stages is the engine's weight install
@@ -172,19 +178,21 @@ Source: the ``weight_load`` events of ``streamrl bench modes``' colocated timeli
 iteration in docs/bench/bench_modes_run2.json's run, 6-9 ms in a 14:08 run on the v2 task."""
 
 
-def profiled_train(section: dict, n_samples: int) -> tuple[C.ProfiledTrain, str]:
+def profiled_train(section: dict) -> tuple[C.ProfiledTrain, str]:
     """The trainer cost of a profile section (the profile itself, or its ``"colocated"`` part).
 
-    Split form when the section's ``train`` has it (see the module docstring), else the combined
+    Call form when the section's ``train`` has it (see the module docstring), else the combined
     ``train_tokens_per_s`` per token."""
     tr = section.get("train") or {}
-    if tr.get("train_step_tokens_per_s") and tr.get("prepare_s_per_unit") is not None:
-        unit = max(1, int(n_samples)) if tr.get("prepare_unit") == "group" else 1
-        s_per_token = 1.0 / float(tr["train_step_tokens_per_s"]) + float(tr.get("prepare_s_per_token") or 0.0)
-        per_seq = float(tr["prepare_s_per_unit"]) / unit
-        return (C.ProfiledTrain(1.0 / s_per_token, 1, 1, per_seq),
-                f"{per_seq * 1e3:.2f} ms/sequence + {1.0 / s_per_token:.0f} tokens/s "
-                f"(prepare per {tr.get('prepare_unit', 'sample')}, then optimizer steps)")
+    if tr.get("train_step_tokens_per_s") and tr.get("prepare_s_per_pass") is not None:
+        train = C.ProfiledTrain(float(tr["train_step_tokens_per_s"]), 1, 1, float(tr["prepare_s_per_pass"]),
+                                float(tr["prepare_s_per_padded_token"]), int(tr["micro_batch_tokens"]))
+        return train, (f"prepare calls of {train.prepare_pass_s * 1e3:.2f} ms per pass + "
+                       f"{train.prepare_token_s * 1e6:.1f} us per padded token (passes of {train.micro_batch_tokens} "
+                       f"padded tokens), then optimizer steps at {train.tokens_per_s:.0f} tokens/s")
+    if tr.get("prepare_s_per_unit") is not None:
+        raise ValueError("the profile's trainer section has the per-unit prepare form of an older `streamrl profile`; "
+                         "the live trainer now prepares each call in batched passes: re-run `streamrl profile`")
     tps = float(section.get("train_tokens_per_s") or tr.get("train_tokens_per_s") or 0.0)
     if not tps > 0:
         raise ValueError("the profile has no train_tokens_per_s (write it with `streamrl profile`)")
@@ -197,16 +205,26 @@ def prefill_tokens_per_s(section: dict) -> float:
     return float(tps) if tps and float(tps) > 0 else math.inf
 
 
+def ptl_context(profile: dict) -> float:
+    """Mean context of a request in the profile's PTL runs: ``profile_decode_latency`` times
+    ``new_tokens`` decode steps (minus the 1-token run) from random prompts of the profile's mean
+    prompt length (rounded), so the context runs from the prompt to the prompt + ``new_tokens``."""
+    return round(float(profile.get("prompt_len_mean") or 0.0)) + float(profile.get("new_tokens") or 32) / 2
+
+
 def _deployment(shape: ModelShape, latency: LatencyModel, train: C.ProfiledTrain, instances: int,
-                max_batch: int, prefill_tps: float = math.inf, switch_s: float | None = None) -> S.Deployment:
+                max_batch: int, prefill_tps: float = math.inf, switch_s: float | None = None,
+                profiled_context: float = 0.0) -> S.Deployment:
     g = get_gpu("H800")  # only its links are read (weight bytes of a tiny model: microseconds)
-    return S.Deployment(shape, g, instances, 1, g, 1,
-                        decode_override=C.ProfiledDecode(latency, prefill_tokens_per_s=prefill_tps, max_batch=max_batch),
-                        train_override=train, switch_override=switch_s)
+    decode = C.ProfiledDecode(latency, prefill_tokens_per_s=prefill_tps, max_batch=max_batch,
+                              context_s_per_token=latency.kv_ms_per_token / 1000.0, profiled_context=profiled_context)
+    return S.Deployment(shape, g, instances, 1, g, 1, decode_override=decode, train_override=train,
+                        switch_override=switch_s)
 
 
-def _seq_s(train: C.ProfiledTrain, seq_len: float) -> float:
-    return float(train.seq_train_s([seq_len])[0])
+def _iteration_tokens_per_s(train: C.ProfiledTrain, seq_len: float, n: int) -> float:
+    """Trainer tokens/s on ``n`` sequences of ``seq_len`` prepared in one call (an iteration of disagg-batch)."""
+    return n * seq_len / train.train_s([seq_len] * n)
 
 
 def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int, max_new_tokens: int,
@@ -224,28 +242,32 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
     if not p_len > 0:
         raise ValueError("no prompt length: the profile has no prompt_len_mean and none was given")
     wl = TinyWorkload(pool, prompts_per_iter * n_samples, p_len, max_new_tokens)
-    train, train_desc = profiled_train(profile, n_samples)
+    train, train_desc = profiled_train(profile)
     colo = profile.get("colocated") or {}
     prefill = prefill_tokens_per_s(profile)
     colo_lat, colo_train, colo_prefill = latency, train, prefill
     base_threads = int(profile.get("threads", 1))
     speedup = scaling_ratio(thread_scaling, base_threads, colocated_threads)
     if colo.get("points") and int(colo.get("threads", colocated_threads)) == colocated_threads:
-        colo_lat = latency_from_dict({"points": colo["points"]})
-        colo_train, colo_desc = profiled_train(colo, n_samples)
+        colo_lat = latency_from_dict({"points": colo["points"], "kv_ms_per_token": colo.get("kv_ms_per_token", 0.0)})
+        colo_train, colo_desc = profiled_train(colo)
         colo_prefill = prefill_tokens_per_s(colo)
         colo_source = f"profile 'colocated' numbers ({colo.get('threads')} threads): trainer {colo_desc}"
     elif speedup is not None:
-        colo_lat = LatencyModel(tuple((b, ms / speedup["gen"]) for b, ms in latency.points), "scaled", latency.model, "cpu")
-        colo_train = replace(train, tokens_per_s=train.tokens_per_s * speedup["train"], per_seq_s=train.per_seq_s / speedup["train"])
+        colo_lat = LatencyModel(tuple((b, ms / speedup["gen"]) for b, ms in latency.points), "scaled", latency.model, "cpu",
+                                {"kv_ms_per_token": latency.kv_ms_per_token / speedup["gen"]})
+        colo_train = replace(train, tokens_per_s=train.tokens_per_s * speedup["train"],
+                             prepare_pass_s=train.prepare_pass_s / speedup["train"],
+                             prepare_token_s=train.prepare_token_s / speedup["train"])
         colo_prefill = prefill * speedup["gen"]
         colo_source = (f"{base_threads}-thread profile scaled by the bench's thread_scaling {base_threads}->{colocated_threads} "
                        f"threads (generation x{speedup['gen']:.2f}, training x{speedup['train']:.2f})")
     else:
         colo_source = (f"no {colocated_threads}-thread numbers: assumed equal to the {base_threads}-thread numbers "
                        "(no speed-up from the extra CPUs)")
-    deps = {"disagg": _deployment(shape, latency, train, num_instances, max_batch, prefill),
-            "colocated": _deployment(shape, colo_lat, colo_train, 1, max_batch, colo_prefill, WEIGHT_INSTALL_S)}
+    ctx = ptl_context(profile)
+    deps = {"disagg": _deployment(shape, latency, train, num_instances, max_batch, prefill, profiled_context=ctx),
+            "colocated": _deployment(shape, colo_lat, colo_train, 1, max_batch, colo_prefill, WEIGHT_INSTALL_S, ctx)}
     rows = []
     min_tokens = step_tokens if step_tokens > 0 else 1e15
     with mock.patch.object(S, "MIN_TOKENS_PER_GPU", min_tokens):
@@ -262,13 +284,15 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
         "requests_per_iter": wl.num_prompts, "prompt_len": p_len, "max_new_tokens": max_new_tokens,
         "mean_out_len": float(pool.mean()), "instances": num_instances, "max_batch": max_batch,
         "order": "fifo", "dispatch": dispatch, "trainer": train_desc,
-        "train_tokens_per_s": seq / _seq_s(train, seq),
+        "train_tokens_per_s": _iteration_tokens_per_s(train, seq, wl.num_prompts),
         "stream_min_batch_tokens": step_tokens if step_tokens > 0 else "whole iteration",
         "colocated_threads": colocated_threads,
         "colocated_source": colo_source,
-        "colocated_train_tokens_per_s": seq / _seq_s(colo_train, seq),
+        "colocated_train_tokens_per_s": _iteration_tokens_per_s(colo_train, seq, wl.num_prompts),
         "colocated_switch_s": WEIGHT_INSTALL_S,
         "iterations": iterations, "weight_push_s": S.push_s(deps["disagg"]),
+        "kv_ms_per_token": latency.kv_ms_per_token, "colocated_kv_ms_per_token": colo_lat.kv_ms_per_token,
+        "ptl_context": ctx,
         "prefill_s_per_request": p_len / prefill if math.isfinite(prefill) else 0.0,
         "colocated_prefill_s_per_request": p_len / colo_prefill if math.isfinite(colo_prefill) else 0.0,
     }

@@ -5,7 +5,10 @@ Per iteration ``i`` (one RL step over the global batch)::
     colocated (verl, colocated): gen(i) on all GPUs -> switch -> train(i) on all GPUs -> switch
     disagg-batch : gen(i) -> train(i) -> push W_i -> gen(i+1)               (nothing overlaps)
     stream-sync  : trainer consumes gen(i)'s samples as they finish, in dynamic batches of at
-                   least MIN_TOKENS_PER_GPU * train_gpus tokens -> push W_i -> gen(i+1)
+                   least MIN_TOKENS_PER_GPU * train_gpus tokens -> push W_i -> gen(i+1); with a
+                   profiled trainer (``cost.ProfiledTrain``, the live CPU trainer) the samples reach
+                   it in the live controller's calls instead (``call_stream_train``: batched prepare
+                   per call, samples finishing while it is busy wait for its next call)
     stream-async : gen(i) needs only W_{i-1-s} (staleness s = 1 in the paper): it starts when the
                    SGS is free and that version has arrived; pushes overlap the next training step
 
@@ -150,6 +153,47 @@ def stream_train(finish: np.ndarray, seq_s: np.ndarray, free_at: float, min_batc
     return tr
 
 
+def call_stream_train(finish: np.ndarray, seq_lens: np.ndarray, seq_s: np.ndarray, prepare_s, free_at: float,
+                      step_tokens: float) -> tuple[float, float]:
+    """The live trainer actor fed by the stream controller (``controller/pipelines.py``,
+    ``trainer/actor.py``): ``(end of its last call, its busy seconds)``.
+
+    Outbox rule: each finished sample is sent at once in a call of its own if the trainer is free
+    when it finishes; otherwise it waits in the outbox, and the outbox goes as one call when the
+    next sample finishes after the trainer became free, or when generation ends. The first call of
+    an iteration is sent at its first finish even if the trainer is still busy (it queues in the
+    actor's mailbox: stream-async). A call costs ``prepare_s(its seq_lens)`` (one batched prepare)
+    plus the optimizer steps it fires: a step whenever the buffered samples hold ``step_tokens``
+    tokens, in finish order (``trainer.dynamic_batches``), and the last call steps on the
+    remainder; a step costs its samples' ``seq_s``.
+    """
+    order = np.argsort(finish, kind="stable")
+    times, lens, work = finish[order], np.asarray(seq_lens, float)[order], seq_s[order]
+    n, tr, busy = len(times), free_at, 0.0
+    p, buf_tokens, buf_s = 0, 0.0, 0.0
+
+    def call(q: int) -> float:
+        nonlocal p, buf_tokens, buf_s
+        cost = prepare_s(lens[p:q])
+        for k in range(p, q):
+            buf_tokens, buf_s = buf_tokens + lens[k], buf_s + work[k]
+            if buf_tokens >= step_tokens or k == n - 1:
+                cost, buf_tokens, buf_s = cost + buf_s, 0.0, 0.0
+        p = q
+        return cost
+
+    for k in range(n):
+        if k == 0 or tr <= times[k]:
+            begin = max(times[k], tr)
+            cost = call(k + 1)
+            tr, busy = begin + cost, busy + cost
+    if p < n:
+        begin = max(times[-1], tr)
+        cost = call(n)
+        tr, busy = begin + cost, busy + cost
+    return tr, busy
+
+
 @dataclass
 class RunResult:
     system: str
@@ -205,11 +249,14 @@ def run_system(
         finish = start + gen.finish_s
         gen_end = float(finish.max())
         seq_s = tcost.seq_train_s(batch.seq_lens)
-        t_train = float(seq_s.sum()) + tcost.optimizer_step_s()
+        t_train = tcost.prepare_s(batch.seq_lens) + float(seq_s.sum()) + tcost.optimizer_step_s()
         if spec.colocated:
             train_end = gen_end + t_switch + t_train
         elif spec.pipeline == "batch":
             train_end = max(gen_end, train_free) + t_train
+        elif isinstance(tcost, C.ProfiledTrain):  # the live trainer actor: prepare calls, outbox rule
+            train_end, t_train = call_stream_train(finish, batch.seq_lens, seq_s, tcost.prepare_s, train_free,
+                                                   MIN_TOKENS_PER_GPU * dep.train_gpus)
         else:
             min_s = float(np.median(seq_s)) * MIN_TOKENS_PER_GPU * dep.train_gpus / float(np.median(batch.seq_lens))
             train_end = stream_train(finish, seq_s, max(train_free, start), min_s) + tcost.optimizer_step_s()
