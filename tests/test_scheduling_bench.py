@@ -36,3 +36,11 @@ def test_lower_bound_is_the_longer_of_longest_alone_and_all_tokens_at_peak():
     assert lb["lower_bound_s"] == pytest.approx(1.0)
     many = lower_bound_s([50] * 40, lat, instances=2, batch=4)
     assert many["lower_bound_s"] == pytest.approx(2000 / 400)  # the token term dominates
+
+
+def test_bench_modes_rejects_colocated_thread_counts_beyond_the_cluster(tmp_path):
+    from streamrl.bench.modes import bench_modes
+
+    cfg = load_config("configs/bench.yaml", [])
+    with pytest.raises(ValueError, match=r"colocated_threads \[3\]"):
+        bench_modes(cfg, 0, 1, tmp_path, modes=("colocated",), colocated_threads=(1, 3))

@@ -15,6 +15,9 @@ def register(sub) -> None:
     m.add_argument("--modes", default="colocated,disagg-batch,stream-sync,stream-async",
                    help="comma list; a mode may take a scheduling variant, e.g. stream-async+skew (skewness-aware "
                         "dispatch, LPT order, the configured ranker)")
+    m.add_argument("--colocated-threads", default=None,
+                   help="comma list of colocated thread counts; the fastest is the baseline (default: 1 and "
+                        "cluster.num_cpus)")
     m.add_argument("--out-dir", default="runs/bench_modes", help="Gantt PNGs and timelines")
     add_out_argument(m)
     m.set_defaults(handler="streamrl.commands.bench:run_modes")
@@ -49,7 +52,9 @@ def run_modes(args) -> int:
     from streamrl.bench.modes import bench_modes
     from streamrl.metrics.report import print_table, write_json
 
-    result = bench_modes(cfg, args.warmup, args.iterations, Path(args.out_dir), modes=args.modes.split(","))
+    threads = tuple(int(t) for t in args.colocated_threads.split(",")) if args.colocated_threads else None
+    result = bench_modes(cfg, args.warmup, args.iterations, Path(args.out_dir), modes=args.modes.split(","),
+                         colocated_threads=threads)
     print_table("generation and training tokens/s by thread count", result["thread_scaling"])
     cols = ["mode", "samples_per_s", "tokens_per_s", "step_s", "gen_s", "train_s", "gen_busy", "train_busy",
             "pipeline_efficiency", "speedup_vs_colocated"]
@@ -58,6 +63,9 @@ def run_modes(args) -> int:
     print_table(f"bench modes: {cfg.trainer.algo}, {cfg.generation.prompts_per_iter} prompts x "
                 f"{cfg.generation.n_samples} samples/iter, {args.iterations} timed iterations; training share of "
                 f"a disagg-batch step {result['train_share_of_step']:.2f}", result["rows"], cols)
+    if result["colocated_by_threads"]:
+        by = ", ".join(f"{t} thread(s) {v:.2f}" for t, v in sorted(result["colocated_by_threads"].items()))
+        print(f"colocated samples/s by thread count: {by}; the fastest is the baseline")
     for r in result["rows"]:
         print(f"  {r['mode']}: Gantt {r['gantt']}")
     write_json(args.out, result)
