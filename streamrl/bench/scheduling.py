@@ -27,8 +27,8 @@ prompts' lengths (the "recent distribution"), never from the batch.
 
 Latency model and lower bound. PTL(BS) of one instance is measured here first (the engine with
 EOS unreachable, one thread, batch sizes up to ``batch``; ``sgs.engines.profile``) or read from
-``profile``, and so is the context term (``kv_ms_per_token``: the same batch of 16 with 200
-more prompt tokens each; a decode step on this CPU engine costs about PTL(B) plus 0.002 ms per
+``profile``, and so is the context term (``kv_ms_per_token``, ``sgs.engines.profile.context_cost``:
+the same batch of 16 with 200 more prompt tokens each; a decode step on this CPU engine costs about PTL(B) plus 0.002 ms per
 context token the running requests hold). Dispatch and rebalancing read it; ``skewness-search``
 uses the context term, the paper's ``skewness-aware`` does not. The lower bound is the longer of
 the longest sample alone (``PTL(1)`` per token plus its own context cost) and all tokens at the
@@ -106,9 +106,9 @@ def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
 
     from streamrl.controller.colocated import engine_kwargs
     from streamrl.models.tiny import load_policy
-    from streamrl.policies.latency import LatencyModel, from_measurements
+    from streamrl.policies.latency import LatencyModel
     from streamrl.sgs.engines.base import make_engine
-    from streamrl.sgs.engines.profile import profile_decode_latency
+    from streamrl.sgs.engines.profile import context_cost, profile_decode_latency
 
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch} | {batch})
     echo(f"scheduling: measuring PTL(BS) at batch sizes {sizes} (1 thread)")
@@ -116,22 +116,16 @@ def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
     prev = torch.get_num_threads()
     engine = make_engine(cfg.generation.engine, copy.deepcopy(model).eval(),
                          **{**engine_kwargs(cfg, tok, 1, "profile", cfg.run.seed), "eos_token_id": None})
-    kv_b, extra_ctx = min(batch, 16), 200
     try:
         rows = profile_decode_latency(engine, sizes, prompt_len=prompt_len, new_tokens=32, seed=cfg.run.seed)
-        # The context term: the same batch with 200 more prompt tokens each.
-        long_ctx = profile_decode_latency(engine, [kv_b], prompt_len=prompt_len + extra_ctx, new_tokens=32,
-                                          seed=cfg.run.seed)[0]["ms_per_token"]
+        kv = context_cost(engine, rows, prompt_len, new_tokens=32, seed=cfg.run.seed)
     finally:
         engine.shutdown()
         torch.set_num_threads(prev)
-    short_ctx = next(r["ms_per_token"] for r in rows if r["batch_size"] == kv_b)
-    kv = max(long_ctx - short_ctx, 0.0) / (kv_b * extra_ctx)
-    echo(f"scheduling: context cost {kv:.5f} ms per running context token (batch {kv_b}, +{extra_ctx} tokens)")
-    model_ = from_measurements([r["batch_size"] for r in rows], [r["ms_per_token"] for r in rows],
-                               engine=cfg.generation.engine, model=cfg.policy.path, device="cpu")
-    return LatencyModel(model_.points, model_.engine, model_.model, model_.device,
-                        {"kv_ms_per_token": kv, "prompt_len": prompt_len})
+    echo(f"scheduling: context cost {kv['kv_ms_per_token']:.5f} ms per running context token (batch "
+         f"{kv['batch_size']}, +{kv['extra_context']} tokens)")
+    return LatencyModel(tuple((r["batch_size"], r["ms_per_token"]) for r in rows), cfg.generation.engine,
+                        cfg.policy.path, "cpu", {"kv_ms_per_token": kv["kv_ms_per_token"], "prompt_len": prompt_len})
 
 
 def _cpu(sgs) -> dict[str, float]:

@@ -18,8 +18,8 @@ What is measured, all on the configured policy and with real tokens (nothing is 
   machine: other processes only add time, and far more to a 2-thread OpenMP team than to one
   thread (``REPEATS``'s note).
 * **Context cost** ``kv_ms_per_token`` (``policies.latency.LatencyModel``'s context term):
-  ``kv_cost``, the same engine's PTL at batch ``KV_BATCH`` with ``KV_EXTRA_CONTEXT`` more prompt
-  tokens each, as ``bench scheduling`` measures it (also in the colocated layout).
+  ``sgs.engines.profile.context_cost`` on the same engine (PTL again at batch 16 with 200 more
+  prompt tokens each), as ``bench scheduling`` measures it (also in the colocated layout).
 * **Trainer costs** at ``trainer.threads`` threads: the engine (EOS reachable) first generates
   one iteration of the real workload (``prompts_per_iter x n_samples`` synthetic-task requests),
   the samples are scored with the task reward, then the live trainer's two kinds of work are
@@ -68,6 +68,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from streamrl.config import Config
+from streamrl.sgs.engines.profile import context_cost
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONFIG = "configs/bench.yaml"
@@ -140,34 +141,14 @@ def decode_rows(engine, vocab: int, batch_sizes: Sequence[int], prompt_len: int,
     return rows, [{"batch_size": b, "one_token_s": float(np.median(one[b])), "prompt_len": prompt_len} for b in sorted(one)]
 
 
-KV_BATCH, KV_EXTRA_CONTEXT = 16, 200
-"""The context term is measured as ``bench scheduling`` measures it (``bench.scheduling._measure_latency``):
-PTL of a batch of ``KV_BATCH`` with ``KV_EXTRA_CONTEXT`` more prompt tokens each, minus PTL of the
-same batch at the profiled prompt length, per added running context token."""
-
-
-def kv_cost(engine, rows: Sequence[dict], prompt_len: int, new_tokens: int, seed: int, repeats: int = REPEATS) -> dict:
-    """``kv_ms_per_token`` (``policies.latency.LatencyModel``'s context term) of ``engine``, whose
-    PTL ``rows`` are already measured (median of ``repeats``, like them)."""
-    from streamrl.sgs.engines.profile import profile_decode_latency
-
-    by = {int(r["batch_size"]): r["ms_per_token"] for r in rows}
-    b = max((x for x in by if x <= KV_BATCH), default=min(by))
-    long_ms = float(np.median([profile_decode_latency(engine, [b], prompt_len=prompt_len + KV_EXTRA_CONTEXT,
-                                                      new_tokens=new_tokens, seed=seed)[0]["ms_per_token"]
-                               for _ in range(max(1, repeats))]))
-    return {"kv_ms_per_token": max(long_ms - by[b], 0.0) / (b * KV_EXTRA_CONTEXT),
-            "batch_size": b, "extra_context": KV_EXTRA_CONTEXT, "ms_per_token_short": by[b], "ms_per_token_long": long_ms}
-
-
 def measure_decode(cfg: Config, model, tokenizer, threads: int, batch_sizes: Sequence[int], prompt_len: int,
                    new_tokens: int, seed: int, repeats: int = REPEATS) -> tuple[list[dict], list[dict], dict]:
-    """``decode_rows`` and ``kv_cost`` of a fresh engine at ``threads`` threads (shut down afterwards)."""
+    """``decode_rows`` and ``context_cost`` of a fresh engine at ``threads`` threads (shut down afterwards)."""
     engine = decode_engine(cfg, model, tokenizer, threads, seed)
     try:
         points, one = decode_rows(engine, int(model.config.get_text_config().vocab_size), batch_sizes, prompt_len,
                                   new_tokens, seed, repeats)
-        return points, one, kv_cost(engine, points, prompt_len, new_tokens, seed, repeats)
+        return points, one, context_cost(engine, points, prompt_len, new_tokens, seed, repeats)
     finally:
         engine.shutdown()
 
@@ -195,7 +176,7 @@ def measure_colocated(cfg: Config, model, tokenizer, samples: list, threads: int
         _engine_run(engine, _prompts(8, prompt_len, vocab, cfg.run.seed), 4)  # its loop thread's team exists now
         train = measure_train(cfg, samples, threads, train_steps, repeats)
         points, one = decode_rows(engine, vocab, batch_sizes, prompt_len, new_tokens, cfg.run.seed, repeats)
-        kv = kv_cost(engine, points, prompt_len, new_tokens, cfg.run.seed, repeats)
+        kv = context_cost(engine, points, prompt_len, new_tokens, cfg.run.seed, repeats)
     finally:
         engine.shutdown()
     return {"threads": threads, "layout": "engine and trainer in one process (as controller.colocated.ColocatedWorker)",

@@ -104,6 +104,17 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+class _RecentLengths:
+    """Dispatch that reads the recent output-length distribution (``history``); the SGS calls
+    ``observe`` with each finished batch's lengths."""
+
+    history: list[float] | None = None
+
+    def observe(self, output_lengths: Sequence[float]) -> None:
+        """Replace the recent output-length distribution (call once per iteration)."""
+        self.history = list(output_lengths)
+
+
 @dataclass(frozen=True)
 class SkewSplit:
     """The split Algorithm 2 chose, and the latencies it predicted."""
@@ -145,7 +156,7 @@ def skewness_split(
     return best
 
 
-class SkewnessAwareDispatch:
+class SkewnessAwareDispatch(_RecentLengths):
     """Algorithm 2; see the module docstring. ``last_split`` holds the latest decision."""
 
     name = "skewness-aware"
@@ -170,10 +181,6 @@ class SkewnessAwareDispatch:
         self.long_quantile = long_quantile
         self.regular_quantile = regular_quantile
         self.last_split: SkewSplit | None = None
-
-    def observe(self, output_lengths: Sequence[float]) -> None:
-        """Replace the recent output-length distribution (call once per iteration)."""
-        self.history = list(output_lengths)
 
     def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
         _check(num_instances)
@@ -238,7 +245,7 @@ class SearchedSplit:
     predicted_s: float
 
 
-class SkewSearchDispatch:
+class SkewSearchDispatch(_RecentLengths):
     """Algorithm 2 with the long-tail fraction searched and each candidate simulated.
 
     The paper fixes ``alpha`` (20 %) and predicts a pool by ``PTL(BS) * L * ceil(M/BS)`` with
@@ -275,10 +282,6 @@ class SkewSearchDispatch:
         self.alphas = sorted(set(float(a) for a in alphas))
         self.prompt_len = prompt_len
         self.last_split: SearchedSplit | None = None
-
-    def observe(self, output_lengths: Sequence[float]) -> None:
-        """Replace the recent output-length distribution (call once per iteration)."""
-        self.history = list(output_lengths)
 
     def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
         _check(num_instances)

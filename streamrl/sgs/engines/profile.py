@@ -99,6 +99,28 @@ def profile_decode_latency(engine_or_model: Any, batch_sizes: list[int], prompt_
     return rows
 
 
+KV_BATCH, KV_EXTRA_CONTEXT = 16, 200
+
+
+def context_cost(engine_or_model: Any, rows: list[dict[str, float]], prompt_len: int, new_tokens: int = 64,
+                 seed: int = 0, repeats: int = 1) -> dict[str, float]:
+    """The decode-step cost per running context token (``LatencyModel.kv_ms_per_token``).
+
+    ``rows`` are this engine's ``profile_decode_latency`` rows at ``prompt_len``. The batch of
+    ``KV_BATCH`` (or the largest measured one below it) is run again with ``KV_EXTRA_CONTEXT`` more
+    prompt tokens each (median of ``repeats``); the added ms per step divided by the added context
+    tokens is the cost."""
+    import statistics
+
+    by = {int(r["batch_size"]): r["ms_per_token"] for r in rows}
+    b = max((x for x in by if x <= KV_BATCH), default=min(by))
+    long_ms = statistics.median(
+        profile_decode_latency(engine_or_model, [b], prompt_len=prompt_len + KV_EXTRA_CONTEXT, new_tokens=new_tokens,
+                               seed=seed)[0]["ms_per_token"] for _ in range(max(1, repeats)))
+    return {"kv_ms_per_token": max(long_ms - by[b], 0.0) / (b * KV_EXTRA_CONTEXT),
+            "batch_size": b, "extra_context": KV_EXTRA_CONTEXT, "ms_per_token_short": by[b], "ms_per_token_long": long_ms}
+
+
 @torch.no_grad()
 def measure_throughput(engine_or_model: Any, batch_size: int, new_tokens: int = 100, prompt_len: int = 16,
                        seed: int = 0) -> dict[str, float]:

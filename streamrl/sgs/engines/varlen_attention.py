@@ -74,8 +74,8 @@ def _plan(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, n_keys: int) -> _Plan:
             prefill.append((slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1]), mask))
     rows = keys = mask = None
     if decode:
-        idx = torch.tensor(decode)
-        starts, lens = torch.tensor(cu_k[:-1])[idx], (torch.tensor(cu_k[1:]) - torch.tensor(cu_k[:-1]))[idx]
+        idx, ck = torch.tensor(decode), torch.tensor(cu_k)
+        starts, lens = ck[:-1][idx], (ck[1:] - ck[:-1])[idx]
         ar = torch.arange(int(lens.max()))
         rows = torch.tensor(cu_q[:-1])[idx]
         keys = (starts[:, None] + ar).clamp(max=n_keys - 1)
