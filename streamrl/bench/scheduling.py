@@ -239,11 +239,15 @@ def bench_scheduling(cfg: Config, prompts: int = 512, instances: int = 2, batch:
                      f"length match {res['length_match']:.3f}")
     finally:
         sgs.shutdown()
-    return _summarise(configs, runs, bound, ranker_row, latency_to_dict(latency), rec, dict(
+    result = _summarise(configs, runs, bound, ranker_row, latency_to_dict(latency), rec, dict(
         prompts=prompts, instances=instances, batch=batch, repeats=repeats, max_new_tokens=g.max_new_tokens,
         policy=cfg.policy.path, rebalance_threshold=g.rebalance_threshold, skew_alpha=g.skew_alpha,
         total_tokens=int(sum(true)), mean_len=float(np.mean(true)), p50_len=float(np.percentile(true, 50)),
         p90_len=float(np.percentile(true, 90)), max_len=int(max(true)), decoding="greedy"))
+    # The greedy lengths themselves (batch and ranker data), so the table can be re-modelled offline.
+    result["recorded_lengths"] = {"batch": {p.prompt_id: oracle[p.prompt_id] for p in batch_prompts},
+                                  "ranker_data": other_len}
+    return result
 
 
 def _summarise(configs, runs, bound, ranker_row, latency, rec, setup) -> dict:
