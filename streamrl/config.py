@@ -95,9 +95,12 @@ class GenerationConfig(_Section):
     latency_profile: str | None = Field(None, description="PTL profile JSON (`streamrl profile`) read by skewness-aware "
                                         "dispatch and rebalancing; None = the paper's H800 table")
     skew_alpha: float = Field(0.2, gt=0, lt=1, description="skewness-aware dispatch: long-tail fraction")
-    rebalance: bool = Field(False, description="move not-yet-started requests off an instance whose predicted "
-                            "remaining work exceeds the least loaded one's (beyond the paper)")
+    rebalance: bool = Field(False, description="move requests off an instance whose predicted remaining work "
+                            "exceeds the least loaded one's while some instance has free slots (beyond the paper)")
     rebalance_threshold: float = Field(0.25, ge=0, lt=1, description="rebalance when (T_max - T_min) > this x T_max")
+    rebalance_running: bool = Field(True, description="rebalancing may also move running requests (stopped and "
+                                    "resumed elsewhere with their generated prefix) where the engine can preempt")
+    rebalance_interval_s: float = Field(0.1, gt=0, description="rebalancing checks progress at most this often")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per instance, e.g. {H20: 1}")
     threads_per_instance: int = Field(1, ge=1)
     max_batch_tokens: int = Field(1024, ge=16)

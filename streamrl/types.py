@@ -70,6 +70,22 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """A request stopped mid-generation (``GenerationEngine.preempt``) and what it had generated.
+
+    Runtime rebalancing resumes it on another instance: the continuation's prompt is
+    ``request.prompt_ids + output_ids`` and the two halves are joined into one ``Completion``
+    (``StreamGenerationService``). A request preempted before it started has empty outputs."""
+
+    request: GenRequest
+    output_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    version_start: int | None = None
+    """Version installed when the stopped part started (None: it had not started)."""
+    t_start: float | None = None
+
+
+@dataclass(frozen=True)
 class Sample:
     """A scored completion: the unit streamed to the trainer (or grouped, for GRPO)."""
 

@@ -106,3 +106,48 @@ def test_varlen_attention_generates_what_dense_attention_generates(monkeypatch):
 def test_unknown_attention_mode_is_rejected():
     with pytest.raises(ValueError, match="attention"):
         make_engine("transformers", tiny_qwen2(), attention="flash")
+
+
+def test_preempted_request_resumes_from_its_prefix_to_the_uninterrupted_output():
+    """Runtime rebalancing's primitive: stop a running request between two decode steps, take
+    its prefix, continue from prompt + prefix (here on a second engine with the same weights):
+    greedy decoding gives the same tokens as one uninterrupted run, and log-probs within float
+    noise; the stopped request is never returned by the first engine."""
+    model = tiny_qwen2(seed=3)
+    kw = dict(num_blocks=128, page_size=32, max_batch_tokens=256, max_requests_per_batch=4, temperature=0.0, seed=0)
+    a = make_engine("transformers", model, **kw)
+    try:
+        a.add_request(req("ref", 200))
+        ref = collect(a, 1)[0]
+        a.add_request(req("r", 200))
+        a.add_request(req("queued", 200, priority=-1.0))  # max_inflight 4: admitted at once, not moved
+        import time
+
+        t0 = time.time()
+        while a.progress().get("r", 0) < 20:
+            assert time.time() - t0 < 30, a.progress()
+            time.sleep(0.005)
+        part = a.preempt("r")
+        assert a.preempt("r") is None and a.preempt("unknown") is None  # stopped once; unknown ids: None
+        rest = collect(a, 1)
+        assert [c.request_id for c in rest] == ["queued"] and a.num_pending() == 0  # "r" never comes back here
+    finally:
+        a.shutdown()
+    assert part is not None and part.request.request_id == "r" and 20 <= len(part.output_ids) < 200
+    assert len(part.logprobs) == len(part.output_ids) and part.version_start == 0
+    b = make_engine("transformers", copy_of(model), **kw)
+    try:
+        cont = req("r", 200 - len(part.output_ids), prompt=(1, 2, 3) + part.output_ids)
+        b.add_request(cont)
+        tail = collect(b, 1)[0]
+    finally:
+        b.shutdown()
+    assert part.output_ids + tail.output_ids == ref.output_ids
+    joined = torch.tensor(part.logprobs + tail.logprobs)
+    assert torch.allclose(joined, torch.tensor(ref.logprobs), atol=1e-4)
+
+
+def copy_of(model):
+    import copy
+
+    return copy.deepcopy(model).eval()

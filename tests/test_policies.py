@@ -275,3 +275,15 @@ def test_instance_makespan_pays_for_context_when_the_profile_has_a_kv_cost():
     # 3 and 4 tokens (1.3 s + 1.4 s).
     assert instance_makespan_s([3, 1], lat, 2, prompt_len=2) == pytest.approx(4.1)
     assert instance_makespan_s([3, 1], FLAT, 2, prompt_len=2) == pytest.approx(0.03)  # no kv term: 3 steps of 10 ms
+
+
+def test_remaining_estimate_uses_progress_and_the_recent_overshoot_hand_worked():
+    from streamrl.policies.rebalance import remaining_estimate
+
+    recent = sorted([10, 20, 30, 40, 100])
+    assert remaining_estimate(50, 12, 200, recent) == 38  # below its prediction: the difference
+    # At 45 tokens, past its prediction of 30: the lengths that got past 45 are [100]: 55 more.
+    assert remaining_estimate(30, 45, 200, recent) == 55
+    assert remaining_estimate(30, 45, 60, recent) == 15  # never more than the token budget left
+    assert remaining_estimate(30, 150, 400, recent) == 150  # nothing recent got this far: doubling
+    assert remaining_estimate(5, 5, 200, []) == 5 and remaining_estimate(0, 0, 200, []) == 1  # at least 1

@@ -196,6 +196,44 @@ def test_rebalancing_moves_queued_work_to_a_new_instance_and_loses_and_duplicate
     assert pending == [0, 0] and not sgs.assigned
 
 
+def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray_session, tiny_policy_dir):
+    """Four requests run on gen-0 (its whole batch) while gen-1 idles. Rebalancing stops some of
+    them mid-generation and resumes them on gen-1 from their prefix. Each comes back exactly
+    once, whole: the prompt as submitted, every token (EOS off: exactly max_new_tokens) with its
+    log-prob."""
+    from streamrl.sgs.service import StreamGenerationService
+    from streamrl.tasks.synthetic import SyntheticTask
+
+    class AllOnFirst:  # dispatch that puts everything on gen-0, so only rebalancing can use gen-1
+        def assign(self, predicted_lengths, num_instances):
+            return [0] * len(predicted_lengths)
+
+    cfg = _cfg(tiny_policy_dir, "generation.rebalance=true", "generation.rebalance_threshold=0.1",
+               "generation.max_requests_per_batch=4", "generation.max_new_tokens=160", "generation.n_samples=1",
+               "generation.rebalance_interval_s=0.05", "ranker.name=none")
+    requests = _requests_for(tiny_policy_dir, cfg, SyntheticTask(num_train=4, num_eval=1, seed=2).train_prompts(), "mv")
+    sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
+    sgs.add_instance()
+    sgs.add_instance()
+    sgs.dispatch = AllOnFirst()
+    try:
+        sgs.submit(requests)
+        assert {name for name, _ in sgs.assigned.values()} == {"gen-0"}
+        done = _drain(sgs, [r.request_id for r in requests])
+        pending = ray_session.get([a.num_pending.remote() for a in sgs.instances.values()])
+    finally:
+        sgs.shutdown()
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)  # exactly once
+    assert sgs.counters["sgs/rebalanced_running"] >= 1 and sgs.counters["sgs/duplicates"] == 0
+    assert any(c.instance == "gen-1" for c in done)
+    by_id = {r.request_id: r for r in requests}
+    for c in done:
+        assert c.prompt_ids == by_id[c.request_id].prompt_ids
+        assert len(c.output_ids) == len(c.logprobs) == 160 and c.finish_reason == "length"
+        assert all(lp <= 0.0 for lp in c.logprobs) and c.t_start <= c.t_end
+    assert pending == [0, 0] and not sgs.assigned and not sgs._prefix
+
+
 def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_session, tiny_policy_dir):
     from streamrl.controller.common import make_task
     from streamrl.sgs.service import StreamGenerationService

@@ -4,15 +4,16 @@ StreamRL dispatches each request once; a wrong length estimate can then leave on
 far more work than the others while they idle. Rebalancing re-plans the *not yet started*
 requests while generation runs.
 
-Inputs, per instance: the predicted lengths of its unfinished requests (running and queued) and
-which of them are movable (queued: not started, so moving one costs nothing and loses nothing).
-The predicted remaining time of an instance is the §3.7 latency model applied to what is left::
+Inputs, per instance: the predicted *remaining* lengths of its unfinished requests (running and
+queued; ``remaining_estimate`` turns a prediction and the tokens generated so far into one) and
+which of them are movable: queued ones (not started: moving one costs nothing and loses nothing)
+and, where the engine can preempt, running ones (stopped and resumed elsewhere with the prefix
+they generated: ``StreamGenerationService``). The predicted remaining time of an instance is the
+§3.7 latency model applied to what is left::
 
     T(L) = PTL(BS) * max(sum(L) / BS, max(L)),   BS = min(len(L), max_batch_size)
 
 (``sum(L) / BS`` decode steps of a full batch, and never less than its longest request alone).
-Running requests count with their full prediction (their progress is not known here); that
-overstates a busy instance's load a little, which only makes it give work away sooner.
 
 Rule (``plan_moves``): while the most loaded instance's ``T`` exceeds the least loaded one's by
 more than ``threshold * T_max``, move one movable request from the most to the least loaded: the
@@ -37,6 +38,23 @@ class Move:
     src: str
     dst: str
     predicted_len: float
+
+
+def remaining_estimate(predicted: float, generated: int, max_new_tokens: int, recent: Sequence[float]) -> float:
+    """Tokens a request still has to generate, from its predicted length and its progress.
+
+    Below its prediction: the difference. At or past it the prediction was too short; then the
+    median overshoot of the recent lengths (``recent``, sorted) that got this far (``L - g``
+    over ``L > g``), or, when none did, as many tokens again as it has (doubling). Never more
+    than ``max_new_tokens - generated``, never less than 1."""
+    left = max(1.0, float(max_new_tokens - generated))
+    if generated < predicted:
+        return min(left, max(1.0, predicted - generated))
+    i = bisect.bisect_right(recent, generated)
+    if i < len(recent):
+        over = recent[i:]
+        return min(left, max(1.0, float(over[len(over) // 2]) - generated))
+    return min(left, max(1.0, float(generated)))
 
 
 def remaining_time_s(lengths: Sequence[float], latency: LatencyModel, max_batch_size: int | None = None) -> float:

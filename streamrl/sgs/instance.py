@@ -103,6 +103,36 @@ class GenerationInstance:
         with self._lock:
             return [self._held_reqs.pop(r) for r in request_ids if r in self._held_reqs]
 
+    def progress(self) -> dict:
+        """Where each unfinished request stands, for runtime rebalancing: ``held`` (in this
+        actor's queue), ``waiting`` (in the engine's queue: not started either) and ``running``
+        (request_id -> tokens generated so far). ``preempt`` says whether running requests can
+        be stopped and resumed elsewhere."""
+        with self._lock:
+            held = list(self._held_reqs)
+        return {"held": held, "waiting": self.engine.waiting_ids(), "running": self.engine.progress(),
+                "preempt": bool(getattr(self.engine, "supports_preempt", False))}
+
+    def preempt(self, request_ids) -> list:
+        """Stop these requests wherever they are here and return a ``Partial`` for each one that
+        was stopped (held or queued: empty outputs; running: its prefix). One that already
+        finished, or is finishing, is left to complete here and is not in the list."""
+        from streamrl.types import Partial
+
+        out = []
+        for rid in request_ids:
+            with self._lock:
+                req = self._held_reqs.pop(rid, None)
+            if req is not None:
+                out.append(Partial(req))
+                continue
+            if getattr(self.engine, "supports_preempt", False):
+                part = self.engine.preempt(rid)
+                if part is not None:
+                    out.append(part)
+        self._top_up()
+        return out
+
     def poll(self, timeout: float = 0.5, max_items: int | None = None):
         self._top_up()
         out = self.engine.get_completions(timeout=timeout, max_items=max_items)

@@ -30,15 +30,25 @@ exactly once. Instances can be added while requests run; a new instance first in
 current weights, so it never generates with a stale version.
 
 Rebalancing (beyond the paper, ``policies.rebalance``): instances then hold submitted requests
-in their own queue and give the engine only a batch plus a little slack (``instance.py``). After
-each poll the service computes every instance's predicted remaining time from the predicted
-lengths of its unfinished requests; when the largest exceeds the smallest by more than
-``generation.rebalance_threshold`` of it, it asks the instances which requests they still hold,
-plans moves with ``plan_moves`` and applies them: ``take`` on the source (returns only requests
-still held, atomically) then ``submit`` on the destination, then the ownership record moves.
-A request is thus in exactly one instance's hands at any time: never lost, never run twice.
-Only not-yet-started requests move; running ones are never cut (moving a running request with
-its generated prefix would need partial outputs from the engine, which it does not stream).
+in their own queue and give the engine only a batch plus a little slack (``instance.py``). At
+most every ``generation.rebalance_interval_s`` (instances are polled at that period too, so a
+long tail is noticed even when nothing finishes) the service asks each instance where its
+unfinished requests stand (``progress``: held, queued in the engine, or running with n tokens
+generated) and turns each prediction into a remaining length (``remaining_estimate``: a request
+past its prediction gets the recent lengths' median overshoot). It acts only when some instance
+has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
+under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
+by more than ``generation.rebalance_threshold`` of the largest. ``plan_moves`` then picks moves;
+the source ``preempt``s them and the service re-submits each to its destination:
+- not started (held or queued): moved as it is;
+- running (``generation.rebalance_running``, engines that can preempt; each request at most
+  once): the engine stops it between two decode steps and returns its prefix (tokens and
+  log-probs); the destination continues from ``prompt + prefix`` with the remaining token
+  budget, admitted before its queue; when it finishes the service joins the two parts into one
+  ``Completion`` (prompt as submitted, prefix + continuation tokens and log-probs, the earlier
+  ``version_start`` and ``t_start``).
+A request is thus in exactly one instance's hands at any time: one the source cannot stop any
+more (it is finishing) stays and completes there. Never lost, never run twice.
 
 Placement: each instance is a Ray actor with ``generation.threads_per_instance`` CPUs and the
 custom resources in ``generation.resources`` (e.g. ``{"H20": 1}`` on a heterogeneous cluster).
@@ -48,8 +58,11 @@ With ``placement.device=cuda`` it asks for its bundle of the placement plan inst
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
+import time
+from collections import deque
 from dataclasses import replace
 from typing import Iterator, Sequence
 
@@ -59,14 +72,16 @@ from streamrl.config import Config
 from streamrl.policies.dispatch import make_dispatch_policy
 from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
 from streamrl.policies.order import make_order_policy
-from streamrl.policies.rebalance import plan_moves, remaining_time_s
+from streamrl.policies.rebalance import plan_moves, remaining_estimate, remaining_time_s
 from streamrl.ranker.online import OnlineRanker, batch_rank_metrics
 from streamrl.sgs.instance import GenerationInstance
-from streamrl.types import Completion, GenRequest
+from streamrl.types import Completion, GenRequest, Partial
 
 log = logging.getLogger(__name__)
 
 NEEDS_LENGTHS = ("skewness-aware", "skewness-search", "least-loaded")
+RESUME_PRIORITY = 1e30  # a resumed request is admitted before everything queued at its new instance
+MIN_MOVE_TOKENS = 8  # a running request predicted to finish within this many tokens is not moved
 
 
 def make_online_ranker(cfg: Config) -> OnlineRanker | None:
@@ -100,6 +115,8 @@ class StreamGenerationService:
         self.order = make_order_policy(g.order)
         self.rebalance = g.rebalance
         self.rebalance_threshold = g.rebalance_threshold
+        self.rebalance_running = g.rebalance_running
+        self.rebalance_interval_s = g.rebalance_interval_s
         self.engine_overrides = dict(engine_overrides or {})
         self.hold_back = g.rebalance if hold_back is None else hold_back  # instances keep queued requests movable
         wants_lengths = self.dispatch_name in NEEDS_LENGTHS or g.order == "lpt" or g.rebalance
@@ -114,11 +131,16 @@ class StreamGenerationService:
         self._names = (f"gen-{i}" for i in itertools.count())
         self._handle = None
         self.version = 0
-        self._handed_out = 0
-        self._rebalance_idle_at = -1  # handed-out count at the last check that found nothing to move
+        self._last_check = float("-inf")  # perf_counter of the last rebalancing check
+        self._prefix: dict[str, tuple[GenRequest, tuple[int, ...], tuple[float, ...], int, float]] = {}
+        # request_id -> (request as submitted, tokens and log-probs generated before preemptions,
+        # earliest version_start, first t_start): joined to the continuation when it finishes
+        self._moved_running: set[str] = set()
+        self._recent = deque(maxlen=2048)  # recent output lengths: remaining_estimate's overshoot
         self._metrics: dict[str, float] = {}
         self.counters = {"sgs/duplicates": 0, "sgs/resubmitted": 0, "sgs/instances_added": 0,
-                         "sgs/instances_removed": 0, "sgs/rebalanced": 0, "sgs/rebalance_rounds": 0}
+                         "sgs/instances_removed": 0, "sgs/rebalanced": 0, "sgs/rebalanced_running": 0,
+                         "sgs/rebalance_rounds": 0}
 
     def configure(self, dispatch: str, order: str, rebalance: bool, dispatch_kwargs: dict | None = None) -> None:
         """Switch the scheduling policies between batches (benchmarks compare them on one pool).
@@ -135,7 +157,7 @@ class StreamGenerationService:
                                                            else self._dispatch_kwargs(dispatch)))
         self.order = make_order_policy(order)
         self.rebalance = rebalance
-        self._rebalance_idle_at = -1
+        self._last_check = float("-inf")
 
     def _dispatch_kwargs(self, name: str) -> dict:
         g = self.cfg.generation
@@ -259,9 +281,10 @@ class StreamGenerationService:
         """Completions that finished since the last call (possibly none after ``timeout``)."""
         busy = {inst for inst, _ in self.assigned.values()}
         armed = set(self._polls.values())
+        period = min(0.5, self.rebalance_interval_s) if self.rebalance else 0.5
         for name, actor in self.instances.items():
             if name in busy and name not in armed:  # an idle instance's poll would return at once: a spin
-                self._polls[actor.poll.remote(0.5)] = name
+                self._polls[actor.poll.remote(period)] = name
         if not self._polls:
             return []
         ready, _ = ray.wait(list(self._polls), num_returns=1, timeout=timeout)
@@ -281,11 +304,19 @@ class StreamGenerationService:
                     continue
                 del self.assigned[c.request_id]
                 self.returned.add(c.request_id)
+                if c.request_id in self._prefix:
+                    c = self._join(c)
+                self._recent.append(len(c.output_ids))
                 out.append(c)
-            self._handed_out += len(batch)
-        if self.rebalance and out:
+        if self.rebalance and self.assigned:
             self._maybe_rebalance()
         return out
+
+    def _join(self, c: Completion) -> Completion:
+        """One Completion from a preempted request's prefix and its continuation's output."""
+        req, tokens, logprobs, v_start, t_start = self._prefix.pop(c.request_id)
+        return replace(c, prompt_ids=tuple(req.prompt_ids), output_ids=tokens + c.output_ids,
+                       logprobs=logprobs + c.logprobs, version_start=min(v_start, c.version_start), t_start=t_start)
 
     def generate(self, requests: list[GenRequest], predicted_lengths: Sequence[float] | None = None) -> Iterator[Completion]:
         """Submit ``requests`` and yield each completion as it finishes (completion order).
@@ -310,6 +341,7 @@ class StreamGenerationService:
         actual = [float(lengths[i]) for i in ids]
         for i in ids:
             self.predicted.pop(i, None)
+            self._moved_running.discard(i)
         if self.ranker is not None or given:
             self._metrics.update(batch_rank_metrics([predicted[i] for i in ids], actual))
         if hasattr(self.dispatch, "observe"):
@@ -325,39 +357,64 @@ class StreamGenerationService:
         return out
 
     # ------------------------------------------------------------------------------ rebalance
-    def _remaining(self) -> dict[str, list[tuple[str, float]]]:
-        unfinished: dict[str, list[tuple[str, float]]] = {name: [] for name in self.instances}
-        for rid, (name, _) in self.assigned.items():
-            unfinished[name].append((rid, self.predicted[rid]))
-        return unfinished
-
     def _maybe_rebalance(self) -> int:
-        """Move queued requests if the predicted remaining times are uneven; returns how many moved."""
-        if len(self.instances) < 2 or self._rebalance_idle_at == self._handed_out:
+        """Move requests off an instance whose predicted remaining time is far above another's
+        while some instance has free slots (module docstring); returns how many moved."""
+        now = time.perf_counter()
+        if len(self.instances) < 2 or now - self._last_check < self.rebalance_interval_s:
             return 0
+        self._last_check = now
         cap = self.cfg.generation.max_requests_per_batch
-        unfinished = self._remaining()
+        counts = {n: 0 for n in self.instances}
+        for name, _ in self.assigned.values():
+            counts[name] += 1
+        if min(counts.values()) >= cap or max(counts.values()) < 2:
+            return 0  # every instance has a full batch of work, or there is nothing to split
+        names = list(self.instances)
+        states = dict(zip(names, ray.get([self.instances[n].progress.remote() for n in names])))
+        unfinished, movable = self._remaining(states)
         times = {n: remaining_time_s([x for _, x in reqs], self.latency, cap) for n, reqs in unfinished.items()}
         t_max, t_min = max(times.values()), min(times.values())
         if t_max - t_min <= self.rebalance_threshold * t_max:
             return 0
-        names = list(self.instances)
-        held = dict(zip(names, ray.get([self.instances[n].held_ids.remote() for n in names])))
-        movable = {n: [rid for rid in ids if rid in self.assigned] for n, ids in held.items()}
         moves = plan_moves(unfinished, movable, self.latency, cap, self.rebalance_threshold)
-        if not moves:
-            self._rebalance_idle_at = self._handed_out
-            return 0
-        by_src: dict[str, list] = {}
-        for m in moves:
-            by_src.setdefault(m.src, []).append(m)
-        moved = 0
+        return self._apply_moves(moves) if moves else 0
+
+    def _remaining(self, states: dict[str, dict]) -> tuple[dict[str, list[tuple[str, float]]], dict[str, list[str]]]:
+        """Per instance: (request_id, predicted remaining length) of its unfinished requests, and
+        the ids that may move (not started; running where the engine preempts, once each)."""
+        recent = sorted(self._recent)
+        unfinished: dict[str, list[tuple[str, float]]] = {name: [] for name in self.instances}
+        movable: dict[str, list[str]] = {name: [] for name in self.instances}
+        sets = {n: (set(st["held"]) | set(st["waiting"]), st["running"], st["preempt"]) for n, st in states.items()}
+        for rid, (name, req) in self.assigned.items():
+            queued, running, can_preempt = sets[name]
+            prefix = self._prefix.get(rid)
+            budget = (prefix[0] if prefix else req).max_new_tokens
+            generated = len(prefix[1]) if prefix else 0
+            if rid in running:
+                generated += running[rid]
+            left = remaining_estimate(self.predicted.get(rid, 1.0), generated, budget, recent)
+            unfinished[name].append((rid, left))
+            if rid in queued and (rid in states[name]["held"] or can_preempt):
+                movable[name].append(rid)
+            elif (rid in running and can_preempt and self.rebalance_running and rid not in self._moved_running
+                  and left >= MIN_MOVE_TOKENS):
+                movable[name].append(rid)
+        return unfinished, movable
+
+    def _apply_moves(self, moves) -> int:
+        """Preempt each move's request at its source and re-submit it (or its continuation) at its destination."""
         dst_of = {m.request_id: m.dst for m in moves}
-        taken_refs = {src: self.instances[src].take.remote([m.request_id for m in ms]) for src, ms in by_src.items()}
+        by_src: dict[str, list[str]] = {}
+        for m in moves:
+            by_src.setdefault(m.src, []).append(m.request_id)
+        refs = {src: self.instances[src].preempt.remote(ids) for src, ids in by_src.items()}
         per_dst: dict[str, list[GenRequest]] = {}
-        for src, ref in taken_refs.items():
-            for req in ray.get(ref):  # only those still held: they have not started, so none can finish twice
-                per_dst.setdefault(dst_of[req.request_id], []).append(req)
+        for src, ref in refs.items():
+            for part in ray.get(ref):  # only requests the source stopped: none can also finish there
+                per_dst.setdefault(dst_of[part.request.request_id], []).append(self._continuation(part))
+        moved = 0
         for dst, reqs in per_dst.items():
             for req in reqs:
                 self.assigned[req.request_id] = (dst, req)
@@ -365,9 +422,25 @@ class StreamGenerationService:
         ray.get([self.instances[dst].submit.remote(reqs) for dst, reqs in per_dst.items()])
         self.counters["sgs/rebalanced"] += moved
         self.counters["sgs/rebalance_rounds"] += 1
-        if moved == 0:
-            self._rebalance_idle_at = self._handed_out
         return moved
+
+    def _continuation(self, part: Partial) -> GenRequest:
+        """The request to send on for a preempted ``part``: itself if it had not started, else
+        the prompt plus everything generated so far, with the rest of the token budget."""
+        if not part.output_ids:
+            return part.request
+        rid = part.request.request_id
+        prev = self._prefix.get(rid)
+        req = prev[0] if prev else part.request
+        tokens = (prev[1] if prev else ()) + tuple(part.output_ids)
+        logprobs = (prev[2] if prev else ()) + tuple(part.logprobs)
+        v_start = min(prev[3], part.version_start) if prev else part.version_start
+        t_start = prev[4] if prev else part.t_start
+        self._prefix[rid] = (req, tokens, logprobs, v_start, t_start)
+        self._moved_running.add(rid)
+        self.counters["sgs/rebalanced_running"] += 1
+        return replace(req, prompt_ids=tuple(req.prompt_ids) + tokens, max_new_tokens=req.max_new_tokens - len(tokens),
+                       priority=RESUME_PRIORITY)
 
     # ------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, dict]:

@@ -39,7 +39,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from streamrl.types import Completion, GenRequest
+from streamrl.types import Completion, GenRequest, Partial
 
 if TYPE_CHECKING:  # torch is only needed by callers that pass weights
     import torch
@@ -123,6 +123,24 @@ class GenerationEngine(ABC):
     @abstractmethod
     def version(self) -> int:
         """The policy version currently installed."""
+
+    # Optional: progress and preemption, for runtime rebalancing of running requests.
+    supports_preempt = False
+
+    def progress(self) -> dict[str, int]:
+        """Tokens generated so far by each started, unfinished request (by ``request_id``);
+        requests still queued in the engine are left out. Empty where the backend cannot tell."""
+        return {}
+
+    def waiting_ids(self) -> list[str]:
+        """Requests queued in the engine that have not started."""
+        return []
+
+    def preempt(self, request_id: str) -> Partial | None:
+        """Stop ``request_id`` and return what it generated so far (empty outputs if it had not
+        started), so it can resume elsewhere; it is then never returned by this engine. None if
+        it is unknown, finished, or about to finish (it is then returned as usual)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot preempt requests")
 
     def __enter__(self) -> "GenerationEngine":
         return self

@@ -70,7 +70,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from streamrl.sgs.engines.base import EngineError, GenerationEngine, QueueBookkeeping
-from streamrl.types import Completion, GenRequest
+from streamrl.types import Completion, GenRequest, Partial
 
 _DRAIN_POLL_S = 0.05  # how often the drain thread re-checks the stop flag when idle
 
@@ -225,6 +225,79 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             self._stats["gen/requests_cancelled"] += 1
             self._admit_locked()
             return True
+
+    # ------------------------------------------------------------------ progress and preemption
+    supports_preempt = True
+
+    def _active_states(self) -> dict:
+        """CB's running request states by CB id (empty before the loop has built its scheduler)."""
+        bp = self._manager.batch_processor
+        return getattr(getattr(bp, "scheduler", None), "active_requests", None) or {}
+
+    def progress(self) -> dict[str, int]:
+        """Tokens generated so far by each request CB is running (read without stopping the loop:
+        a count may lag by the step in progress). Requests handed to CB but not yet scheduled
+        count 0."""
+        active = self._active_states()
+        with self._lock:
+            ids = dict(self._cb_id_of)
+        out = {}
+        for rid, cb_id in ids.items():
+            state = active.get(cb_id)
+            out[rid] = len(state.generated_tokens) if state is not None else 0
+        return out
+
+    def waiting_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._waiting_ids)
+
+    def preempt(self, request_id: str) -> Partial | None:
+        """Stop ``request_id`` and return its generated prefix (see ``GenerationEngine.preempt``).
+
+        A running request is read and cancelled while CB's loop is parked between two steps
+        (``manager.pause``), so its tokens and log-probs are consistent and it generates nothing
+        more; a result CB still delivers for it (finished in the same step) is dropped like a
+        cancelled one. A request CB has already finished (its state gone from the scheduler,
+        its result not yet drained) is left alone: None, and it is returned as usual."""
+        with self._lock:
+            self._raise_if_unusable()
+            if request_id in self._waiting_ids:
+                seq = self._waiting_ids.pop(request_id)
+                req = next(r for _, s, _, r in self._waiting if s == seq)
+                return Partial(req)
+            if request_id not in self._cb_id_of:
+                return None
+        with self._manager.pause():
+            with self._lock:
+                cb_id = self._cb_id_of.get(request_id)
+                if cb_id is None:
+                    return None  # finished (and drained) while we waited for the pause
+                req, t_start, v_start, _ = self._inflight[cb_id]
+                state = self._active_states().get(cb_id)
+                if state is None:
+                    if any(st.request_id == cb_id for st in self._pending_states()):
+                        tokens, logprobs = (), ()  # handed to CB, not scheduled yet
+                    else:
+                        return None  # finished: its result is on the way
+                else:
+                    tokens, logprobs = tuple(state.generated_tokens), tuple(state.logprobs)
+                    done = (tokens and tokens[-1] in self._eos_ids) or len(tokens) >= req.max_new_tokens
+                    if done or len(logprobs) != len(tokens):
+                        return None
+                self._remove_inflight_locked(cb_id)
+                self._cancelled_cb_ids.add(cb_id)
+                self._manager.cancel_request(cb_id)
+                self._stats["gen/requests_preempted"] = self._stats.get("gen/requests_preempted", 0.0) + 1
+                self._admit_locked()
+        if not tokens:
+            return Partial(req)
+        return Partial(req, tokens, logprobs, v_start, t_start)
+
+    def _pending_states(self) -> list:
+        """CB's request states that are queued for it but not running (input queue, waiting)."""
+        bp = self._manager.batch_processor
+        waiting = list((getattr(getattr(bp, "scheduler", None), "waiting_requests", None) or {}).values())
+        return waiting + list(self._manager.input_queue.queue)
 
     # ------------------------------------------------------------------ results
 
