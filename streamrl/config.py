@@ -90,8 +90,10 @@ class GenerationConfig(_Section):
     prompts_per_iter: int = Field(16, ge=1)
     num_instances: int = Field(1, ge=1)
     dispatch: str = Field("round-robin", description="dispatch policy: random | round-robin | least-loaded | skewness-aware | skewness-search")
-    order: Literal["fifo", "lpt"] = Field("fifo", description="admission order inside an instance: arrival, or "
-                                          "longest predicted first (needs the ranker)")
+    order: Literal["fifo", "lpt", "lpt-head"] = Field("fifo", description="admission order inside an instance: "
+                                                     "arrival; longest predicted first (needs the ranker); or that "
+                                                     "for the order_head fraction predicted longest, then arrival")
+    order_head: float = Field(0.1, gt=0, le=1, description="lpt-head: the fraction admitted longest-first")
     latency_profile: str | None = Field(None, description="PTL profile JSON (`streamrl profile`) read by skewness-aware "
                                         "dispatch and rebalancing; None = the paper's H800 table")
     skew_alpha: float = Field(0.2, gt=0, lt=1, description="skewness-aware dispatch: long-tail fraction")

@@ -159,6 +159,30 @@ def test_lpt_admission_finishes_sooner_than_fifo_on_two_slots():
     assert makespan(make_order_policy("lpt").order(lengths), lengths) == 4
 
 
+def test_hedged_lpt_starts_the_predicted_head_first_and_keeps_arrival_order_behind_it():
+    # predictions for 10 requests; head 0.2 -> the two predicted longest (idx 4: 90, idx 7: 80) first
+    pred = [5, 30, 10, 20, 90, 1, 40, 80, 2, 3]
+    hedged = make_order_policy("lpt-head", head=0.2)
+    assert hedged.order(pred) == [4, 7, 0, 1, 2, 3, 5, 6, 8, 9]
+    prio = hedged.priorities(pred)
+    assert sorted(range(10), key=lambda i: (-prio[i], i)) == hedged.order(pred)  # what the engines admit
+    # Why: two slots, true lengths; the ranker missed request 2 (truly 12, predicted shortest).
+    # Full LPT admits it last and it ends the batch at 15; hedged starts it in arrival order: 13.
+    def makespan(order, lengths, slots=2):
+        free = [0.0] * slots
+        for i in order:
+            k = free.index(min(free))
+            free[k] += lengths[i]
+        return max(free)
+
+    true = [4, 1, 12, 1, 1]
+    guess = [3, 2, 0, 1, 1]
+    assert makespan(make_order_policy("lpt").order(guess), true) == 15
+    assert makespan(make_order_policy("lpt-head", head=0.2).order(guess), true) == 13
+    with pytest.raises(ValueError, match="head=0"):
+        make_order_policy("lpt-head", head=0.0)
+
+
 def test_skewness_aware_uses_history_quantiles_not_the_predictions():
     # 5 requests, alpha 0.2 -> 1 long. History P90 = 1000, P50 = 10 (FLAT 10 ms/token, BS 1), 3 instances:
     # k=1: long 1 x 1000 x 0.01 = 10.0 s, regular ceil(4/2) x 10 x 0.01 = 0.2 -> 10.0

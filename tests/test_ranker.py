@@ -10,7 +10,7 @@ import pytest
 
 from streamrl.ranker.base import make_ranker
 from streamrl.ranker.evaluate import (QWEN_MATH_FILE, LengthRecord, Prediction, evaluate, group_metrics,
-                                      group_oracle, load_samples_jsonl, prompt_folds, streaming)
+                                      group_oracle, load_samples_jsonl, prompt_folds, reference_rows, streaming)
 from streamrl.ranker.history import BlendRanker, HistoryRanker
 from streamrl.ranker.learned import LearnedRanker, RidgeRanker, ngram_buckets, position_codes
 from streamrl.ranker.metrics import average_ranks, ceiling_scores, rank_metrics, recall_at_top, spearman
@@ -285,6 +285,23 @@ def test_group_metrics_hand_worked():
     assert other["ranker"] == "oracle (other samples)" and other["spearman"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="'group-median'.*known"):
         group_metrics([pred], lambda p: p.scores, "group-median")
+
+
+def test_task_solution_diagnostic_row_only_for_synthetic_prompts():
+    from streamrl.tasks.synthetic import solve
+
+    # "U 95,1:" -> "96 97 98 99 100 =100" (20 chars); "U 10,3:" is longer; "D 503,3:" shorter
+    texts = ["U 95,1:", "U 10,3:", "D 503,3:", "U 98,1:"]
+    assert len(solve("U 95,1:")[0]) == 20
+    policy = [30.0, 5.0, 12.0, 8.0]  # the policy's lengths, unlike the solutions'
+    recs = [LengthRecord(t, t, x) for t, x in zip(texts, policy)]
+    pred = Prediction("batch", recs, np.zeros(4), [])
+    rows = {r["ranker"]: r for r in reference_rows([pred], recs)}
+    sol = [float(len(solve(t)[0])) for t in texts]
+    assert rows["task solution (diagnostic)"]["spearman"] == pytest.approx(rank_metrics(policy, sol)["spearman"])
+    math = [LengthRecord("q", "What is 2+2?", 5.0), LengthRecord("r", "U 95,1:", 9.0)]
+    names = {r["ranker"] for r in reference_rows([Prediction("b", math, np.zeros(2), [])], math)}
+    assert "task solution (diagnostic)" not in names  # one text is not a synthetic prompt
 
 
 def test_bare_rank_command_prints_help(capsys):

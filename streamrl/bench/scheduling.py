@@ -10,6 +10,12 @@ wall time from submitting the batch to its last sampled token (engine timestamps
     ... each again + rebalance       ``policies.rebalance`` moving not-yet-started requests
     search + ranker / oracle         ``skewness-search``: Algorithm 2 with the long-tail fraction
                                      searched and each split simulated (ours; policies/dispatch.py)
+    ... + ranker + hedged            the same dispatch with ``lpt-head`` inside instances (ours:
+                                     LPT for the top ``generation.order_head`` predicted, then
+                                     arrival order; policies/order.py says why)
+
+Rebalancing (``generation.rebalance_running``, on by default) may also move running requests:
+they are stopped between decode steps and resume on the other instance from their prefix.
 
 Why greedy decoding. An oracle must know this run's lengths before the run. With sampling the
 lengths depend on the random stream, which the continuous-batching engine draws for the whole
@@ -81,8 +87,12 @@ CONFIGS = (
     SchedConfig("search+ranker", "skewness-search", "lpt", "ranker", False),
     SchedConfig("search+oracle", "skewness-search", "lpt", "oracle", False),
     SchedConfig("search+ranker+rebalance", "skewness-search", "lpt", "ranker", True),
+    SchedConfig("skew+ranker+hedged", "skewness-aware", "lpt-head", "ranker", False),
+    SchedConfig("search+ranker+hedged", "skewness-search", "lpt-head", "ranker", False),
+    SchedConfig("skew+ranker+hedged+rebalance", "skewness-aware", "lpt-head", "ranker", True),
 )
-TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75, "search+ranker": 0.85, "search+oracle": 0.75}
+TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75, "search+ranker": 0.85, "search+oracle": 0.75,
+           "skew+ranker+hedged": 0.85, "search+ranker+hedged": 0.85}
 
 
 def lower_bound_s(lengths, latency, instances: int, batch: int, prompt_len: float = 0.0) -> dict[str, float]:

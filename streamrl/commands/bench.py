@@ -35,7 +35,7 @@ def register(sub) -> None:
     s.add_argument("--ranker", default="learned", help="ranker fitted on other prompts' lengths (learned)")
     s.add_argument("--ranker-prompts", type=int, default=None, help="other prompts the ranker learns from (= --prompts)")
     s.add_argument("--profile", default=None, help="PTL profile JSON; default: measure PTL(BS) here first")
-    s.add_argument("--configs", default=None, help="comma list of configurations (default: all six)")
+    s.add_argument("--configs", default=None, help="comma list of configurations (default: all of them)")
     add_out_argument(s)
     s.set_defaults(handler="streamrl.commands.bench:run_scheduling")
 

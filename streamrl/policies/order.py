@@ -7,6 +7,14 @@ order.
 - ``fifo``: arrival order.
 - ``lpt``: longest predicted first (Longest Processing Time first, a 4/3-approximation of the
   makespan on identical machines; here the "machines" are the batch slots).
+- ``lpt-head`` (ours): longest predicted first for the ``head`` fraction predicted longest, then
+  the rest in arrival order. Full LPT trusts the whole ranking: every request the ranker
+  predicts short is admitted last, so the long ones it missed start last and finish last, after
+  everything else. With the learned ranker on the synthetic task (recall@20% ~0.75) that makes
+  LPT worse than FIFO (``bench scheduling``; the latency model agrees: random dispatch with LPT
+  on the ranker 1.06x of FIFO, on true lengths 0.80x). Hedged, the confident head still starts
+  first and a missed long request starts at a random point of the queue instead of at its end.
+  With exact lengths full LPT is better; choose ``lpt`` for an oracle or a near-perfect ranker.
 
 Interface: ``policy.order(predicted_lengths) -> list[int]``, the indices in admission order.
 The live engines admit by a per-request priority (larger first, ties in arrival order) so that
@@ -57,12 +65,36 @@ class LptOrder:
         return out
 
 
-ORDER_POLICIES: dict[str, type] = {"fifo": FifoOrder, "lpt": LptOrder}
+class HedgedLptOrder:
+    name = "lpt-head"
+
+    def __init__(self, head: float = 0.1) -> None:
+        if not 0.0 < head <= 1.0:
+            raise ValueError(f"lpt-head: head={head!r} must be in (0, 1] (the fraction admitted longest-first)")
+        self.head = head
+
+    def _split(self, predicted_lengths: Sequence[float]) -> tuple[list[int], set[int]]:
+        n = len(predicted_lengths)
+        k = min(n, max(1, round(self.head * n))) if n else 0
+        top = LptOrder().order(predicted_lengths)[:k]
+        return top, set(top)
+
+    def order(self, predicted_lengths: Sequence[float]) -> list[int]:
+        top, in_top = self._split(predicted_lengths)
+        return top + [i for i in range(len(predicted_lengths)) if i not in in_top]
+
+    def priorities(self, predicted_lengths: Sequence[float]) -> list[float]:
+        lpt = LptOrder().priorities(predicted_lengths)  # validates
+        _, in_top = self._split(predicted_lengths)
+        return [1.0 + x if i in in_top else 0.0 for i, x in enumerate(lpt)]
 
 
-def make_order_policy(name: str) -> OrderPolicy:
-    """The order policy called ``name``; unknown names raise ``ValueError`` listing the known ones."""
-    try:
-        return ORDER_POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown order policy {name!r}; known: {sorted(ORDER_POLICIES)}") from None
+ORDER_POLICIES: dict[str, type] = {"fifo": FifoOrder, "lpt": LptOrder, "lpt-head": HedgedLptOrder}
+
+
+def make_order_policy(name: str, head: float = 0.1) -> OrderPolicy:
+    """The order policy called ``name`` (``head``: the LPT fraction of ``lpt-head``); unknown
+    names raise ``ValueError`` listing the known ones."""
+    if name not in ORDER_POLICIES:
+        raise ValueError(f"unknown order policy {name!r}; known: {sorted(ORDER_POLICIES)}")
+    return HedgedLptOrder(head) if name == "lpt-head" else ORDER_POLICIES[name]()

@@ -25,6 +25,10 @@ Beside each ranker, every protocol reports:
   including unseen ones (the data README's ceiling for a prompt-only ranker; NaN where no prompt
   has two samples);
 - ``random``: exact expectation (recall = k/n, Spearman 0).
+- ``task solution (diagnostic)``, only when every text is a synthetic-task prompt: the length of
+  the task's correct response, computed by solving the prompt. Not a ranker (it parses the task)
+  but the best any model that learns the *task* can do: where it falls short of the oracle, the
+  policy's own mistakes set the lengths, and no prompt-only ranker of the task can rank them.
 
 Units (the ``unit`` column). ``sample``: every response is ranked on its own, as above. For GRPO
 the dispatch unit is the group of n samples of one prompt, so each row is also computed per
@@ -284,7 +288,25 @@ def reference_rows(preds: list[Prediction], all_records: Sequence[LengthRecord],
     rand = metrics(lambda p: np.zeros(len(p.records)))
     rand["spearman"] = 0.0 if rand["n"] else float("nan")  # expectation; a constant score's is undefined
     rows.append({"ranker": "random", **rand})
+    solution = _synthetic_solution_lengths(all_records)
+    if solution is not None:
+        rows.append({"ranker": "task solution (diagnostic)",
+                     **metrics(lambda p: np.array([solution[r.text] for r in p.records], dtype=np.float64))})
     return [{"unit": unit, **row} for row in rows]
+
+
+def _synthetic_solution_lengths(records: Sequence[LengthRecord]) -> dict[str, float] | None:
+    """text -> length of the synthetic task's correct response, if every text is a synthetic prompt."""
+    from streamrl.tasks.synthetic import solve
+
+    out: dict[str, float] = {}
+    for r in records:
+        if r.text not in out:
+            try:
+                out[r.text] = float(len(solve(r.text)[0]))
+            except ValueError:
+                return None
+    return out or None
 
 
 def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[str],

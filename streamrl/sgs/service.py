@@ -112,14 +112,14 @@ class StreamGenerationService:
         self.dispatch_name = dispatch or g.dispatch
         self.dispatch = make_dispatch_policy(
             self.dispatch_name, **(dispatch_kwargs if dispatch_kwargs is not None else self._dispatch_kwargs(self.dispatch_name)))
-        self.order = make_order_policy(g.order)
+        self.order = make_order_policy(g.order, g.order_head)
         self.rebalance = g.rebalance
         self.rebalance_threshold = g.rebalance_threshold
         self.rebalance_running = g.rebalance_running
         self.rebalance_interval_s = g.rebalance_interval_s
         self.engine_overrides = dict(engine_overrides or {})
         self.hold_back = g.rebalance if hold_back is None else hold_back  # instances keep queued requests movable
-        wants_lengths = self.dispatch_name in NEEDS_LENGTHS or g.order == "lpt" or g.rebalance
+        wants_lengths = self.dispatch_name in NEEDS_LENGTHS or g.order != "fifo" or g.rebalance
         if ranker == "config":
             ranker = make_online_ranker(cfg) if wants_lengths else None
         self.ranker: OnlineRanker | None = ranker
@@ -155,7 +155,7 @@ class StreamGenerationService:
         self.dispatch_name = dispatch
         self.dispatch = make_dispatch_policy(dispatch, **(dispatch_kwargs if dispatch_kwargs is not None
                                                            else self._dispatch_kwargs(dispatch)))
-        self.order = make_order_policy(order)
+        self.order = make_order_policy(order, self.cfg.generation.order_head)
         self.rebalance = rebalance
         self._last_check = float("-inf")
 
