@@ -75,14 +75,21 @@ def test_varlen_attention_generates_what_dense_attention_generates(monkeypatch):
     heads; and it must really run (a broken routing would silently fall back to dense)."""
     import streamrl.sgs.engines.varlen_attention as va
 
-    calls = {"n": 0}
-    real = va.varlen_paged_attention
+    calls = {"n": 0, "buckets": 0}
+    real, real_plan = va.varlen_paged_attention, va._plan
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
+    def plan(*args):
+        p = real_plan(*args)
+        calls["buckets"] = max(calls["buckets"], len(p.decode))
+        return p
+
     monkeypatch.setattr(va, "varlen_paged_attention", counted)
+    monkeypatch.setattr(va, "_plan", plan)
+    # contexts from 3 to ~95 tokens: decoders fall into several length buckets in one step
     prompts = [tuple((7 * i + j) % (VOCAB - 1) + 1 for j in range(3 + 11 * i)) for i in range(6)]
     results = {}
     for mode in ("dense", "varlen"):
@@ -96,7 +103,7 @@ def test_varlen_attention_generates_what_dense_attention_generates(monkeypatch):
             e.shutdown()
         if mode == "dense":
             assert calls["n"] == 0
-    assert calls["n"] > 0
+    assert calls["n"] > 0 and calls["buckets"] >= 2
     for i, d in results["dense"].items():
         v = results["varlen"][i]
         assert v.output_ids == d.output_ids

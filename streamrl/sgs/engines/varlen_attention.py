@@ -20,11 +20,15 @@ What. ``varlen_paged_attention`` has the signature of transformers' attention fu
 default, and ``paged|eager``), each wrapped so that a call *without* CB's paged cache goes to
 transformers' original function unchanged. It does the same cache update as the originals,
 then attends each request to its own keys only (from ``cu_seq_lens_q`` / ``cu_seq_lens_k``):
-the decoding requests (one new token each) share one SDPA over their keys padded to the
-longest, ``[B, heads, 1, max_k]``; a request in prefill (a chunk of q new tokens, k keys) gets
+the decoding requests (one new token each) are sorted by context length and cut into buckets
+whose shortest context is at least half their longest; each bucket shares one SDPA over its keys
+padded to its longest, ``[B_b, heads, 1, max_k_b]``; a request in prefill (a chunk of q new tokens, k keys) gets
 its own causal SDPA where query t sees keys ``j <= k - q + t``, so a prefill chunk never pads
-the decoders' queries. Cost: B x max_k + sum(q x k) over prefill chunks, instead of
-(sum q) x (sum k). The outputs go back into the packed layout CB expects. It is the same
+the decoders' queries. Cost: at most 2 x sum(k) over the decoders plus sum(q x k) over prefill
+chunks, instead of (sum q) x (sum k). (One bucket for all decoders, padded to the longest, made
+a step with one long request among short ones cost like all of them long: 16 requests of context
+9 decoded at 6.0 ms per step, 15 of them with one of context 300 at 10.1, all 16 at 300 at 19.5;
+measured on the tiny policy, 1 thread.) The outputs go back into the packed layout CB expects. It is the same
 softmax over the same keys (log-probs agree with the dense path to ~1e-5).
 
 Scope. ``install(model)`` marks that model's attention layers and wraps two entries of
@@ -49,9 +53,9 @@ VARLEN_FLAG = "_streamrl_varlen"  # set on the attention layers of engines that 
 class _Plan:
     """Index tensors of one CB step; every layer of the step reuses them."""
 
-    decode_rows: torch.Tensor | None  # packed query row of each decoding request
-    decode_keys: torch.Tensor | None  # [B, max_k] packed key index (clamped padding)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_k] True where the key is the request's own
+    decode: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # one entry per bucket of decoding requests: (packed query row of each, [B_b, max_k_b] packed
+    # key index with clamped padding, [B_b, 1, 1, max_k_b] True where the key is the request's own)
     prefill: list[tuple[slice, slice, torch.Tensor]]  # (query rows, key rows, causal mask)
 
 
@@ -72,15 +76,24 @@ def _plan(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, n_keys: int) -> _Plan:
         elif n_q > 1:
             mask = torch.ones(n_q, n_k, dtype=torch.bool).tril_(n_k - n_q)
             prefill.append((slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1]), mask))
-    rows = keys = mask = None
+    buckets = []
     if decode:
-        idx, ck = torch.tensor(decode), torch.tensor(cu_k)
-        starts, lens = ck[:-1][idx], (ck[1:] - ck[:-1])[idx]
-        ar = torch.arange(int(lens.max()))
-        rows = torch.tensor(cu_q[:-1])[idx]
-        keys = (starts[:, None] + ar).clamp(max=n_keys - 1)
-        mask = (ar[None, :] < lens[:, None])[:, None, None, :]
-    plan = _Plan(rows, keys, mask, prefill)
+        lens_of = {i: cu_k[i + 1] - cu_k[i] for i in decode}
+        order = sorted(decode, key=lambda i: -lens_of[i])
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and 2 * lens_of[order[end]] >= lens_of[order[start]]:
+                end += 1
+            idx = order[start:end]
+            starts = torch.tensor([cu_k[i] for i in idx])
+            lens = torch.tensor([lens_of[i] for i in idx])
+            ar = torch.arange(int(lens[0]))
+            keys = (starts[:, None] + ar).clamp(max=n_keys - 1)
+            mask = (ar[None, :] < lens[:, None])[:, None, None, :]
+            buckets.append((torch.tensor([cu_q[i] for i in idx]), keys, mask))
+            start = end
+    plan = _Plan(buckets, prefill)
     _last_plan = (sig, plan)
     return plan
 
@@ -99,13 +112,14 @@ def varlen_paged_attention(module, query, key, value, attention_mask, scaling, *
     gqa = query.shape[1] != key.shape[1]
     q_all, k_all, v_all = query[0], key[0], value[0]  # [heads, N, d]
     packed = q_all.new_zeros((q_all.shape[1], q_all.shape[0], q_all.shape[2]))  # [Nq, heads, d]
-    if plan.decode_rows is not None:
-        # Decoding requests (one new token each): one batched SDPA over keys padded to the longest.
-        q = q_all[:, plan.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, d]
-        k = k_all[:, plan.decode_keys].transpose(0, 1)  # [B, kv_heads, max_k, d]
-        v = v_all[:, plan.decode_keys].transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=gqa)
-        packed[plan.decode_rows] = out[:, :, 0]
+    for rows, keys, mask in plan.decode:
+        # Decoding requests (one new token each), a bucket of similar contexts at a time: one
+        # batched SDPA over keys padded to the bucket's longest.
+        q = q_all[:, rows].transpose(0, 1).unsqueeze(2)  # [B_b, heads, 1, d]
+        k = k_all[:, keys].transpose(0, 1)  # [B_b, kv_heads, max_k_b, d]
+        v = v_all[:, keys].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        packed[rows] = out[:, :, 0]
     for qs, ks, mask in plan.prefill:
         # Prefill chunks: each request alone, causal with its past as offset (few per step).
         out = F.scaled_dot_product_attention(q_all[None, :, qs], k_all[None, :, ks], v_all[None, :, ks],
