@@ -207,6 +207,10 @@ def test_rebalance_moves_queued_requests_to_an_idle_instance_hand_worked():
     moves = plan_moves(unfinished, {"a": ["a3", "a4"]}, FLAT, max_batch_size=2, threshold=0.25)
     # move a3: a 1.5, b 1.0 (gap 0.5 > 0.25*1.5); move a4: a 1.0, b 1.0 -> balanced
     assert [(m.request_id, m.src, m.dst) for m in moves] == [("a3", "a", "b"), ("a4", "a", "b")]
+    # work stealing: b has one free slot, so it takes one request this round; a none, b none: nothing
+    one = plan_moves(unfinished, {"a": ["a3", "a4"]}, FLAT, max_batch_size=2, threshold=0.25, room={"a": 0, "b": 1})
+    assert [(m.request_id, m.dst) for m in one] == [("a3", "b")]
+    assert plan_moves(unfinished, {"a": ["a3", "a4"]}, FLAT, max_batch_size=2, room={"a": 0, "b": 0}) == []
 
 
 def test_rebalance_picks_the_move_that_most_shortens_the_makespan():

@@ -18,7 +18,12 @@ they generated: ``StreamGenerationService``). The predicted remaining time of an
 Rule (``plan_moves``): while the most loaded instance's ``T`` exceeds the least loaded one's by
 more than ``threshold * T_max``, move one movable request from the most to the least loaded: the
 one that minimises ``max(T_src, T_dst)`` afterwards. Stop when no move lowers that maximum, or
-after ``max_moves``. A pure function: no Ray, no engine (the SGS applies the moves it returns).
+after ``max_moves``. With ``room`` (the SGS passes each instance's free batch slots) an instance
+receives at most that many requests in one round: work stealing, where what moves starts at
+once. Without it a round can pile a queue onto the destination on the strength of predictions
+alone; with a ranker that is often wrong (recall@20% ~0.7), that overshot: the destination ended
+last (``bench scheduling``, skew+ranker+rebalance). A pure function: no Ray, no engine (the SGS
+applies the moves it returns).
 """
 
 from __future__ import annotations
@@ -106,12 +111,14 @@ def plan_moves(
     max_batch_size: int | None = None,
     threshold: float = 0.25,
     max_moves: int = 1_000_000,
+    room: Mapping[str, int] | None = None,
 ) -> list[Move]:
     """Moves that even out the instances' predicted remaining time (see module docstring).
 
-    ``unfinished[name]``: ``(request_id, predicted_len)`` of every unfinished request on that
-    instance; ``movable[name]``: the ids among them that have not started. Every instance must
-    appear in ``unfinished`` (with ``[]`` if idle).
+    ``unfinished[name]``: ``(request_id, predicted remaining length)`` of every unfinished request
+    on that instance; ``movable[name]``: the ids among them that may move. Every instance must
+    appear in ``unfinished`` (with ``[]`` if idle). ``room[name]``: how many requests that
+    instance may receive (None: no limit).
     """
     if not 0.0 <= threshold < 1.0:
         raise ValueError(f"rebalance threshold={threshold!r}: must be in [0, 1) (a fraction of the largest load)")
@@ -135,13 +142,19 @@ def plan_moves(
         if stray:
             raise ValueError(f"movable requests {stray[:5]} are not unfinished on instance {name!r}")
         queued[name] = list(ids)
+    left = None if room is None else {name: int(room.get(name, 0)) for name in loads}
+    if left is not None and any(v < 0 for v in left.values()):
+        raise ValueError(f"room={dict(room)}: counts must be >= 0")
     moves: list[Move] = []
     if len(loads) < 2:
         return moves
     while len(moves) < max_moves:
         times = {name: load.time(latency, max_batch_size) for name, load in loads.items()}
         src = max(times, key=lambda k: (times[k], k))
-        dst = min(times, key=lambda k: (times[k], k))
+        takers = [k for k in times if k != src and (left is None or left[k] > 0)]
+        if not takers:
+            break
+        dst = min(takers, key=lambda k: (times[k], k))
         if times[src] - times[dst] <= threshold * times[src] or not queued.get(src):
             break
         best: tuple[float, str] | None = None
@@ -161,5 +174,7 @@ def plan_moves(
         queued.setdefault(dst, []).append(rid)
         loads[src].remove(pred[rid])
         loads[dst].add(pred[rid])
+        if left is not None:
+            left[dst] -= 1
         moves.append(Move(rid, src, dst, pred[rid]))
     return moves

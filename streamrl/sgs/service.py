@@ -38,7 +38,8 @@ generated) and turns each prediction into a remaining length (``remaining_estima
 past its prediction gets the recent lengths' median overshoot). It acts only when some instance
 has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
 under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
-by more than ``generation.rebalance_threshold`` of the largest. ``plan_moves`` then picks moves;
+by more than ``generation.rebalance_threshold`` of the largest. ``plan_moves`` then picks moves,
+at most as many into an instance as it has free slots (work stealing: what moves starts at once);
 the source ``preempt``s them and the service re-submits each to its destination:
 - not started (held or queued): moved as it is;
 - running (``generation.rebalance_running``, engines that can preempt; each request at most
@@ -377,7 +378,8 @@ class StreamGenerationService:
         t_max, t_min = max(times.values()), min(times.values())
         if t_max - t_min <= self.rebalance_threshold * t_max:
             return 0
-        moves = plan_moves(unfinished, movable, self.latency, cap, self.rebalance_threshold)
+        room = {n: max(0, cap - counts[n]) for n in names}  # work stealing: what moves starts at once
+        moves = plan_moves(unfinished, movable, self.latency, cap, self.rebalance_threshold, room=room)
         return self._apply_moves(moves) if moves else 0
 
     def _remaining(self, states: dict[str, dict]) -> tuple[dict[str, list[tuple[str, float]]], dict[str, list[str]]]:
