@@ -134,6 +134,7 @@ def test_preempted_request_resumes_from_its_prefix_to_the_uninterrupted_output()
         while a.progress().get("r", 0) < 20:
             assert time.time() - t0 < 30, a.progress()
             time.sleep(0.005)
+        assert a.preempt("r", running=False) is None  # started: only queued requests may go then
         part = a.preempt("r")
         assert a.preempt("r") is None and a.preempt("unknown") is None  # stopped once; unknown ids: None
         rest = collect(a, 1)

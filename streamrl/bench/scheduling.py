@@ -158,8 +158,8 @@ def _run(sgs, requests, predicted) -> dict:
             "lengths": {c.request_id: len(c.output_ids) for c in done}, "instance_end_s": by_inst}
 
 
-def bench_scheduling(cfg: Config, prompts: int = 512, instances: int = 2, batch: int = 16, repeats: int = 2,
-                     ranker: str = "learned", ranker_prompts: int | None = None, profile: str | None = None,
+def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch: int = 16, repeats: int = 8,
+                     ranker: str = "learned", ranker_prompts: int | None = 2048, profile: str | None = None,
                      configs=CONFIGS, echo=print) -> dict:
     from streamrl.controller.common import RequestBuilder, make_task
     from streamrl.controller.driver import ensure_policy, init_ray

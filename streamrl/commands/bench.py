@@ -26,14 +26,16 @@ def register(sub) -> None:
                                            "(ranker / oracle lengths) vs rebalancing, on real instances")
     s.add_argument("config", nargs="?", default="configs/bench.yaml")
     s.add_argument("overrides", nargs="*")
-    s.add_argument("--prompts", type=int, default=512, help="distinct prompts in the batch, one response each (512)")
+    s.add_argument("--prompts", type=int, default=128, help="distinct prompts in the batch, one response each (128)")
     s.add_argument("--instances", type=int, default=2, help="generation instances, one thread each (2)")
-    s.add_argument("--batch", type=int, default=8,
-                   help="max_requests_per_batch of each instance (8: far below each instance's share, so requests "
-                        "queue; on the CPU engine a larger batch of long requests costs ~B^2 x context per step)")
-    s.add_argument("--repeats", type=int, default=2, help="runs per configuration (2)")
+    s.add_argument("--batch", type=int, default=16,
+                   help="max_requests_per_batch of each instance (16: a quarter of each instance's share, so "
+                        "requests queue and admission order matters; see streamrl.bench.scheduling for other regimes)")
+    s.add_argument("--repeats", type=int, default=8,
+                   help="runs per configuration (8: one run's makespan varies by ~5%% on this machine)")
     s.add_argument("--ranker", default="learned", help="ranker fitted on other prompts' lengths (learned)")
-    s.add_argument("--ranker-prompts", type=int, default=None, help="other prompts the ranker learns from (= --prompts)")
+    s.add_argument("--ranker-prompts", type=int, default=2048,
+                   help="other prompts whose lengths the ranker learns from (2048)")
     s.add_argument("--profile", default=None, help="PTL profile JSON; default: measure PTL(BS) here first")
     s.add_argument("--configs", default=None, help="comma list of configurations (default: all of them)")
     add_out_argument(s)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Sequence
 
 import numpy as np
 

@@ -113,10 +113,11 @@ class GenerationInstance:
         return {"held": held, "waiting": self.engine.waiting_ids(), "running": self.engine.progress(),
                 "preempt": bool(getattr(self.engine, "supports_preempt", False))}
 
-    def preempt(self, request_ids) -> list:
+    def preempt(self, request_ids, running: bool = True) -> list:
         """Stop these requests wherever they are here and return a ``Partial`` for each one that
-        was stopped (held or queued: empty outputs; running: its prefix). One that already
-        finished, or is finishing, is left to complete here and is not in the list."""
+        was stopped (held or queued: empty outputs; running, if ``running``: its prefix). One
+        that already finished, or is finishing, or runs while ``running`` is False, is left to
+        complete here and is not in the list."""
         from streamrl.types import Partial
 
         out = []
@@ -127,7 +128,7 @@ class GenerationInstance:
                 out.append(Partial(req))
                 continue
             if getattr(self.engine, "supports_preempt", False):
-                part = self.engine.preempt(rid)
+                part = self.engine.preempt(rid, running)
                 if part is not None:
                     out.append(part)
         self._top_up()
@@ -138,6 +139,13 @@ class GenerationInstance:
         out = self.engine.get_completions(timeout=timeout, max_items=max_items)
         self._top_up()
         return out
+
+    def poll_with_progress(self, timeout: float = 0.5) -> tuple[list, dict]:
+        """``poll`` and then ``progress`` in one call: a rebalancing SGS reads where requests
+        stand from its polls instead of sending a call of its own (each Ray call costs the
+        engine's process CPU time)."""
+        out = self.poll(timeout)
+        return out, self.progress()
 
     def update(self, handle, version: int) -> dict:
         """Install the weights behind ``handle`` (a ``WeightHandle``) as ``version``."""

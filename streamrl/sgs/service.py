@@ -32,9 +32,10 @@ current weights, so it never generates with a stale version.
 Rebalancing (beyond the paper, ``policies.rebalance``): instances then hold submitted requests
 in their own queue and give the engine only a batch plus a little slack (``instance.py``). At
 most every ``generation.rebalance_interval_s`` (instances are polled at that period too, so a
-long tail is noticed even when nothing finishes) the service asks each instance where its
+long tail is noticed even when nothing finishes) the service reads where each instance's
 unfinished requests stand (``progress``: held, queued in the engine, or running with n tokens
-generated) and turns each prediction into a remaining length (``remaining_estimate``: a request
+generated; it comes back with every poll, ``poll_with_progress``, so a check sends no call of
+its own) and turns each prediction into a remaining length (``remaining_estimate``: a request
 past its prediction gets the recent lengths' median overshoot). It acts only when some instance
 has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
 under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
@@ -59,7 +60,6 @@ With ``placement.device=cuda`` it asks for its bundle of the placement plan inst
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import time
@@ -133,6 +133,7 @@ class StreamGenerationService:
         self._handle = None
         self.version = 0
         self._last_check = float("-inf")  # perf_counter of the last rebalancing check
+        self._progress: dict[str, dict] = {}  # instance -> its latest progress (from poll_with_progress)
         self._prefix: dict[str, tuple[GenRequest, tuple[int, ...], tuple[float, ...], int, float]] = {}
         # request_id -> (request as submitted, tokens and log-probs generated before preemptions,
         # earliest version_start, first t_start): joined to the continuation when it finishes
@@ -209,6 +210,7 @@ class StreamGenerationService:
         if len(self.instances) == 1 and any(inst == name for inst, _ in self.assigned.values()):
             raise RuntimeError(f"cannot remove {name!r}: it is the last instance and has unfinished requests")
         actor = self.instances.pop(name)
+        self._progress.pop(name, None)
         for ref in [r for r, n in self._polls.items() if n == name]:
             del self._polls[ref]
         ray.kill(actor)
@@ -282,10 +284,11 @@ class StreamGenerationService:
         """Completions that finished since the last call (possibly none after ``timeout``)."""
         busy = {inst for inst, _ in self.assigned.values()}
         armed = set(self._polls.values())
-        period = min(0.5, self.rebalance_interval_s) if self.rebalance else 0.5
         for name, actor in self.instances.items():
             if name in busy and name not in armed:  # an idle instance's poll would return at once: a spin
-                self._polls[actor.poll.remote(period)] = name
+                ref = (actor.poll_with_progress.remote(min(0.5, self.rebalance_interval_s)) if self.rebalance
+                       else actor.poll.remote(0.5))
+                self._polls[ref] = name
         if not self._polls:
             return []
         ready, _ = ray.wait(list(self._polls), num_returns=1, timeout=timeout)
@@ -294,6 +297,8 @@ class StreamGenerationService:
             name = self._polls.pop(ref)
             try:
                 batch = ray.get(ref)
+                if isinstance(batch, tuple):  # poll_with_progress
+                    batch, self._progress[name] = batch
             except ray.exceptions.RayActorError:
                 log.warning("generation instance %s died; its requests are re-submitted", name)
                 if name in self.instances:
@@ -372,8 +377,10 @@ class StreamGenerationService:
         if min(counts.values()) >= cap or max(counts.values()) < 2:
             return 0  # every instance has a full batch of work, or there is nothing to split
         names = list(self.instances)
-        states = dict(zip(names, ray.get([self.instances[n].progress.remote() for n in names])))
-        unfinished, movable = self._remaining(states)
+        missing = [n for n in names if n not in self._progress]  # not polled yet since it got work
+        for n, st in zip(missing, ray.get([self.instances[n].progress.remote() for n in missing])):
+            self._progress[n] = st
+        unfinished, movable = self._remaining({n: self._progress[n] for n in names})
         times = {n: remaining_time_s([x for _, x in reqs], self.latency, cap) for n, reqs in unfinished.items()}
         t_max, t_min = max(times.values()), min(times.values())
         if t_max - t_min <= self.rebalance_threshold * t_max:
@@ -411,7 +418,7 @@ class StreamGenerationService:
         by_src: dict[str, list[str]] = {}
         for m in moves:
             by_src.setdefault(m.src, []).append(m.request_id)
-        refs = {src: self.instances[src].preempt.remote(ids) for src, ids in by_src.items()}
+        refs = {src: self.instances[src].preempt.remote(ids, self.rebalance_running) for src, ids in by_src.items()}
         per_dst: dict[str, list[GenRequest]] = {}
         for src, ref in refs.items():
             for part in ray.get(ref):  # only requests the source stopped: none can also finish there

@@ -136,10 +136,11 @@ class GenerationEngine(ABC):
         """Requests queued in the engine that have not started."""
         return []
 
-    def preempt(self, request_id: str) -> Partial | None:
+    def preempt(self, request_id: str, running: bool = True) -> Partial | None:
         """Stop ``request_id`` and return what it generated so far (empty outputs if it had not
         started), so it can resume elsewhere; it is then never returned by this engine. None if
-        it is unknown, finished, or about to finish (it is then returned as usual)."""
+        it is unknown, finished, about to finish, or started while ``running`` is False (it is
+        then returned as usual)."""
         raise NotImplementedError(f"{type(self).__name__} cannot preempt requests")
 
     def __enter__(self) -> "GenerationEngine":

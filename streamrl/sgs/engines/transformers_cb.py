@@ -251,7 +251,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         with self._lock:
             return list(self._waiting_ids)
 
-    def preempt(self, request_id: str) -> Partial | None:
+    def preempt(self, request_id: str, running: bool = True) -> Partial | None:
         """Stop ``request_id`` and return its generated prefix (see ``GenerationEngine.preempt``).
 
         A running request is read and cancelled while CB's loop is parked between two steps
@@ -265,7 +265,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
                 seq = self._waiting_ids.pop(request_id)
                 req = next(r for _, s, _, r in self._waiting if s == seq)
                 return Partial(req)
-            if request_id not in self._cb_id_of:
+            if not running or request_id not in self._cb_id_of:
                 return None
         with self._manager.pause():
             with self._lock:
