@@ -89,7 +89,7 @@ def test_varlen_attention_generates_what_dense_attention_generates(monkeypatch):
 
     monkeypatch.setattr(va, "varlen_paged_attention", counted)
     monkeypatch.setattr(va, "_plan", plan)
-    # contexts from 3 to ~95 tokens: decoders fall into several length buckets in one step
+    monkeypatch.setattr(va, "SPLIT_MIN_KEYS", 16)  # contexts 3 to ~95: several decode buckets per step
     prompts = [tuple((7 * i + j) % (VOCAB - 1) + 1 for j in range(3 + 11 * i)) for i in range(6)]
     results = {}
     for mode in ("dense", "varlen"):
