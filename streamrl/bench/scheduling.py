@@ -247,16 +247,18 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
                 reqs = builder.build(batch_prompts, 0, tag=f"{c.name}-{rep}-")
                 pred = None if c.predictions == "none" else [
                     float((scores if c.predictions == "ranker" else oracle)[r.prompt_id]) for r in reqs]
-                moved0 = sgs.counters["sgs/rebalanced"]
+                moved0, running0 = sgs.counters["sgs/rebalanced"], sgs.counters["sgs/rebalanced_running"]
                 load = os.getloadavg()[0]
                 res = _run(sgs, reqs, pred)
                 res["loadavg_1m_before"] = load
                 res["moved"] = sgs.counters["sgs/rebalanced"] - moved0
+                res["moved_running"] = sgs.counters["sgs/rebalanced_running"] - running0
                 res["length_match"] = float(np.mean([res["lengths"][r.request_id] == oracle[r.prompt_id] for r in reqs]))
                 res["tokens"] = sum(res["lengths"].values())
                 del res["lengths"]
                 runs[c.name].append(res)
-                echo(f"  {c.name:24s} rep {rep}: makespan {res['makespan_s']:.2f}s, moved {res['moved']}, "
+                echo(f"  {c.name:24s} rep {rep}: makespan {res['makespan_s']:.2f}s, moved {res['moved']} "
+                     f"({res['moved_running']} running), "
                      f"length match {res['length_match']:.3f}")
     finally:
         sgs.shutdown()
@@ -285,6 +287,7 @@ def _summarise(configs, runs, bound, ranker_row, latency, rec, setup) -> dict:
                      "vs_random_fifo": mean / base, "cpu_makespan_s": cpu, "cpu_vs_random_fifo": cpu / base_cpu,
                      "vs_lower_bound": mean / bound["lower_bound_s"],
                      "moved": float(np.mean([r["moved"] for r in runs[c.name]])),
+                     "moved_running": float(np.mean([r["moved_running"] for r in runs[c.name]])),
                      "length_match": float(np.mean([r["length_match"] for r in runs[c.name]])),
                      "runs": runs[c.name]})
     by = {r["config"]: r for r in rows}

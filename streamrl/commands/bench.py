@@ -103,7 +103,7 @@ def run_scheduling(args) -> int:
                 f"each; lower bound {lb['lower_bound_s']:.2f}s (longest alone {lb['longest_alone_s']:.2f}s, all tokens at "
                 f"peak {lb['all_tokens_at_peak_s']:.2f}s)", result["rows"],
                 ["config", "makespan_s", "makespan_min_s", "makespan_max_s", "vs_random_fifo", "vs_lower_bound",
-                 "cpu_makespan_s", "cpu_vs_random_fifo", "moved", "length_match"])
+                 "cpu_makespan_s", "cpu_vs_random_fifo", "moved", "moved_running", "length_match"])
     print_table("targets", result["checks"], ["check", "value", "met"])
     write_json(args.out, result)
     return 0
