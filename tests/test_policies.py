@@ -145,18 +145,20 @@ def test_lpt_priorities_reproduce_the_lpt_order_and_fifo_ties_everything():
         make_order_policy("lpt").priorities([1.0, float("nan")])
 
 
+def slot_makespan(order, lengths, slots=2):
+    """Makespan of admitting ``order`` onto ``slots`` identical slots, each job to the first free one."""
+    free = [0.0] * slots
+    for i in order:
+        k = free.index(min(free))
+        free[k] += lengths[i]
+    return max(free)
+
+
 def test_lpt_admission_finishes_sooner_than_fifo_on_two_slots():
     # two batch slots, jobs 2,2,4 (time units): FIFO runs 2|2 then 4 -> makespan 6; LPT 4|2,2 -> 4.
-    def makespan(order, lengths, slots=2):
-        free = [0.0] * slots
-        for i in order:
-            k = free.index(min(free))
-            free[k] += lengths[i]
-        return max(free)
-
     lengths = [2, 2, 4]
-    assert makespan(make_order_policy("fifo").order(lengths), lengths) == 6
-    assert makespan(make_order_policy("lpt").order(lengths), lengths) == 4
+    assert slot_makespan(make_order_policy("fifo").order(lengths), lengths) == 6
+    assert slot_makespan(make_order_policy("lpt").order(lengths), lengths) == 4
 
 
 def test_hedged_lpt_starts_the_predicted_head_first_and_keeps_arrival_order_behind_it():
@@ -168,17 +170,10 @@ def test_hedged_lpt_starts_the_predicted_head_first_and_keeps_arrival_order_behi
     assert sorted(range(10), key=lambda i: (-prio[i], i)) == hedged.order(pred)  # what the engines admit
     # Why: two slots, true lengths; the ranker missed request 2 (truly 12, predicted shortest).
     # Full LPT admits it last and it ends the batch at 15; hedged starts it in arrival order: 13.
-    def makespan(order, lengths, slots=2):
-        free = [0.0] * slots
-        for i in order:
-            k = free.index(min(free))
-            free[k] += lengths[i]
-        return max(free)
-
     true = [4, 1, 12, 1, 1]
     guess = [3, 2, 0, 1, 1]
-    assert makespan(make_order_policy("lpt").order(guess), true) == 15
-    assert makespan(make_order_policy("lpt-head", head=0.2).order(guess), true) == 13
+    assert slot_makespan(make_order_policy("lpt").order(guess), true) == 15
+    assert slot_makespan(make_order_policy("lpt-head", head=0.2).order(guess), true) == 13
     with pytest.raises(ValueError, match="head=0"):
         make_order_policy("lpt-head", head=0.0)
 

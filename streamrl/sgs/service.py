@@ -395,9 +395,9 @@ class StreamGenerationService:
         recent = sorted(self._recent)
         unfinished: dict[str, list[tuple[str, float]]] = {name: [] for name in self.instances}
         movable: dict[str, list[str]] = {name: [] for name in self.instances}
-        sets = {n: (set(st["held"]) | set(st["waiting"]), st["running"], st["preempt"]) for n, st in states.items()}
+        sets = {n: (set(st["held"]), set(st["waiting"]), st["running"], st["preempt"]) for n, st in states.items()}
         for rid, (name, req) in self.assigned.items():
-            queued, running, can_preempt = sets[name]
+            held, waiting, running, can_preempt = sets[name]
             prefix = self._prefix.get(rid)
             budget = (prefix[0] if prefix else req).max_new_tokens
             generated = len(prefix[1]) if prefix else 0
@@ -405,7 +405,7 @@ class StreamGenerationService:
                 generated += running[rid]
             left = remaining_estimate(self.predicted.get(rid, 1.0), generated, budget, recent)
             unfinished[name].append((rid, left))
-            if rid in queued and (rid in states[name]["held"] or can_preempt):
+            if rid in held or (rid in waiting and can_preempt):
                 movable[name].append(rid)
             elif (rid in running and can_preempt and self.rebalance_running and rid not in self._moved_running
                   and left >= MIN_MOVE_TOKENS):

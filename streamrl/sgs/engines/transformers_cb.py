@@ -229,10 +229,13 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
     # ------------------------------------------------------------------ progress and preemption
     supports_preempt = True
 
+    def _scheduler(self):
+        """CB's scheduler (None before the loop has built its batch processor)."""
+        return getattr(self._manager.batch_processor, "scheduler", None)
+
     def _active_states(self) -> dict:
-        """CB's running request states by CB id (empty before the loop has built its scheduler)."""
-        bp = self._manager.batch_processor
-        return getattr(getattr(bp, "scheduler", None), "active_requests", None) or {}
+        """CB's running request states by CB id."""
+        return getattr(self._scheduler(), "active_requests", None) or {}
 
     def progress(self) -> dict[str, int]:
         """Tokens generated so far by each request CB is running (read without stopping the loop:
@@ -295,8 +298,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
 
     def _pending_states(self) -> list:
         """CB's request states that are queued for it but not running (input queue, waiting)."""
-        bp = self._manager.batch_processor
-        waiting = list((getattr(getattr(bp, "scheduler", None), "waiting_requests", None) or {}).values())
+        waiting = list((getattr(self._scheduler(), "waiting_requests", None) or {}).values())
         return waiting + list(self._manager.input_queue.queue)
 
     # ------------------------------------------------------------------ results
