@@ -147,7 +147,9 @@ def test_stream_async_with_an_fsdp_trainer_group(ray_session, tiny_policy_dir):
     ctx.scorer.reward = lambda prompt, text: (float(len(text) % 3), {})
     stream = PromptStream(task.train_prompts(), seed=0)
     sent, versions, spread = [], [], []
-    free_before = ray_session.available_resources().get("CPU", 0.0)
+    # The previous test's actors may still be releasing their CPUs: wait for them first, or the
+    # baseline is too low and this test's own release looks like a gain.
+    free_before = _wait_for_cpus(ray_session, ray_session.cluster_resources().get("CPU", 0.0))
     pipe = make_pipeline(cfg, ctx)
     try:
         start = ray_session.get(pipe.trainer.parameters_vector.remote())
