@@ -221,7 +221,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         other_len = {rid.split(":", 1)[1].rsplit("/", 1)[0]: n for rid, n in other["lengths"].items()}
         text_of = {p.prompt_id: p.text for p in pool}
         t_fit = time.perf_counter()
-        rk = make_ranker(ranker).fit([text_of[k] for k in other_len], list(other_len.values()), list(other_len))
+        rk = make_ranker(ranker, policy_path=cfg.policy.path).fit([text_of[k] for k in other_len], list(other_len.values()), list(other_len))
         fit_s = time.perf_counter() - t_fit
         t_score = time.perf_counter()
         scores = dict(zip([p.prompt_id for p in batch_prompts],

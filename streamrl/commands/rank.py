@@ -9,8 +9,9 @@ from __future__ import annotations
 from streamrl.metrics.report import add_out_argument
 
 DATASETS = ("qwen-math", "skythought", "samples")
-RANKER_NAMES = ("learned", "learned-ridge", "history", "blend", "prompt-length")
+RANKER_NAMES = ("learned", "learned-ridge", "history", "blend", "prompt-length", "lm")
 DEFAULT_RANKERS = ("learned", "history", "blend", "prompt-length")
+PROTOCOLS = ("streaming", "prompts", "samples", "transfer")
 
 
 def register(sub) -> None:
@@ -26,6 +27,10 @@ def register(sub) -> None:
     p.add_argument("--data-dir", default=None, help="data folder (default: $STREAMRL_DATA_DIR or ../shared/data)")
     p.add_argument("--ranker", action="append", choices=RANKER_NAMES, default=None,
                    help="ranker to evaluate (repeatable; default: all of " + ", ".join(DEFAULT_RANKERS) + ")")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="base checkpoint of the lm ranker (a policy directory, e.g. a run's checkpoint/policy)")
+    p.add_argument("--protocol", action="append", choices=PROTOCOLS, default=None,
+                   help="only these protocols (repeatable; default: every one that applies to the data)")
     p.add_argument("--folds", type=int, default=None, help="folds for held-out prompts (5) / samples (2)")
     p.add_argument("--decay", type=float, default=1.0, help="history/blend weight decay per step, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
@@ -46,8 +51,11 @@ def run_eval(args) -> int:
         raise SystemExit(f"streamrl rank eval: --decay must be in (0, 1], got {args.decay}")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     rankers = tuple(dict.fromkeys(args.ranker)) if args.ranker else DEFAULT_RANKERS
-    kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}}
-    results = run_suite(args.data, data_dir, rankers, kwargs, file=args.file, folds=args.folds, seed=args.seed)
+    if "lm" in rankers and not args.model:
+        raise SystemExit("streamrl rank eval: ranker 'lm' fine-tunes a model: give its checkpoint with --model DIR")
+    kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}, "lm": {"model_path": args.model}}
+    results = run_suite(args.data, data_dir, rankers, kwargs, file=args.file, folds=args.folds, seed=args.seed,
+                        protocols=args.protocol)
     columns = ["unit", "ranker", *METRIC_KEYS, "n", "batches", "fit_s"]
     all_rows = []
     for title, rows, note in results:

@@ -35,6 +35,7 @@ RANKERS = {
     "history": "streamrl.ranker.history:HistoryRanker",
     "blend": "streamrl.ranker.history:BlendRanker",
     "prompt-length": "streamrl.ranker.base:PromptLengthRanker",
+    "lm": "streamrl.ranker.finetuned:FinetunedLMRanker",
 }
 
 
@@ -94,10 +95,16 @@ class PromptLengthRanker(Ranker):
         check_samples(texts, lengths, keys)
 
 
-def make_ranker(name: str, **kwargs) -> Ranker:
-    """Build the ranker registered under ``name``; unknown names fail with the known ones listed."""
+def make_ranker(name: str, policy_path: str | None = None, **kwargs) -> Ranker:
+    """Build the ranker registered under ``name``; unknown names fail with the known ones listed.
+
+    Rankers that fine-tune a model (``needs_policy``, e.g. ``lm``) start from ``policy_path``
+    unless their kwargs name a ``model_path``.
+    """
     if name not in RANKERS:
         raise ValueError(f"unknown ranker {name!r}; known: {sorted(RANKERS)}")
     module_name, cls_name = RANKERS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
+    if getattr(cls, "needs_policy", False) and kwargs.get("model_path") is None:
+        kwargs["model_path"] = policy_path
     return cls(**kwargs)

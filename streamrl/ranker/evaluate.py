@@ -430,9 +430,12 @@ def _require(data_dir: Path, *names: str) -> None:
 
 
 def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: dict[str, dict] | None = None,
-              file: str | Path | None = None, folds: int | None = None, seed: int = 0) -> list[tuple[str, list[dict], str]]:
-    """Every protocol that applies to ``data``: a list of ``(title, rows, note)``."""
-    def run(protocol: str, recs, test=None) -> list[dict]:
+              file: str | Path | None = None, folds: int | None = None, seed: int = 0,
+              protocols: Sequence[str] | None = None) -> list[tuple[str, list[dict], str]]:
+    """Every protocol that applies to ``data`` (or those of them in ``protocols``): ``(title, rows, note)``."""
+    def run(protocol: str, recs, test=None) -> list[dict] | None:
+        if protocols and protocol not in protocols:
+            return None
         return evaluate(protocol, recs, rankers, ranker_kwargs, test_records=test, folds=folds, seed=seed)
 
     out = []
@@ -457,7 +460,8 @@ def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: 
         # median, blend is learned), so only the text rankers are trained here.
         text_only = [r for r in rankers if r not in ("history", "blend")] or list(rankers)
         for model, recs in load_skythought_math500(data_dir).items():
-            rows = evaluate("prompts", recs, text_only, ranker_kwargs, folds=folds, seed=seed)
+            rows = (None if protocols and "prompts" not in protocols
+                    else evaluate("prompts", recs, text_only, ranker_kwargs, folds=folds, seed=seed))
             out.append((f"skythought MATH-500 {model}: held-out prompts", rows,
                         f"{folds or 5}-fold by prompt; one response per prompt"))
     elif data == "samples":
@@ -478,4 +482,7 @@ def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: 
             raise ValueError(f"{file}: one step and too few prompts/samples for any protocol")
     else:
         raise ValueError(f"unknown data {data!r}; known: qwen-math, skythought, samples")
+    out = [item for item in out if item[1] is not None]
+    if not out:
+        raise ValueError(f"none of the protocols {list(protocols or [])} applies to data {data!r}")
     return out

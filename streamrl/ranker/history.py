@@ -151,13 +151,18 @@ class HistoryRanker(Ranker):
 class BlendRanker(HistoryRanker):
     """History shrunk towards the learned ranker's score by a pseudo count (see module docstring).
 
-    ``learned`` holds keyword arguments for ``LearnedRanker``.
+    ``prior`` names the text ranker (``learned``, or ``lm``: the fine-tuned policy, which starts
+    from ``model_path``, the run's policy unless given); ``learned`` holds its keyword arguments.
     """
 
     name = "blend"
+    needs_policy = True  # only used when prior == "lm"
 
     def __init__(self, decay: float = 1.0, space: str = "log", prior_count: float | str = "auto",
-                 learned: dict | None = None):
-        from streamrl.ranker.learned import LearnedRanker
+                 learned: dict | None = None, prior: str = "learned", model_path: str | None = None):
+        from streamrl.ranker.base import make_ranker
 
-        super().__init__(decay=decay, space=space, prior=LearnedRanker(**(learned or {})), prior_count=prior_count)
+        if prior not in ("learned", "lm"):
+            raise ValueError(f"blend prior must be 'learned' or 'lm', got {prior!r}")
+        super().__init__(decay=decay, space=space, prior=make_ranker(prior, policy_path=model_path, **(learned or {})),
+                         prior_count=prior_count)

@@ -92,7 +92,7 @@ def make_online_ranker(cfg: Config) -> OnlineRanker | None:
         return None
     from streamrl.ranker.base import make_ranker
 
-    online = OnlineRanker(make_ranker(r.name, **r.kwargs), default_length=max(1.0, cfg.generation.max_new_tokens / 2),
+    online = OnlineRanker(make_ranker(r.name, policy_path=cfg.policy.path, **r.kwargs), default_length=max(1.0, cfg.generation.max_new_tokens / 2),
                           refresh=r.refresh)
     if r.fit_file:
         from streamrl.ranker.evaluate import load_samples_jsonl
