@@ -6,11 +6,15 @@ head on the hidden state of the prompt's last token. The whole network is fine-t
 (prompt, output length) pairs of the policy::
 
     samples (text, length) ──group by text──> m distinct prompts, y = log1p(mean length), w = count
-    ├─ epochs: train on 80 % of the prompts, keep the epoch with the lowest weighted MSE on the rest
-    └─ refit on all m prompts for that many epochs (AdamW, cosine learning rate, batches of prompts)
-    score(texts) = expm1(head(h_last(texts)))                      (only the order matters)
-    update(recent) = the current network trained on the window of recent samples for a few epochs,
+    ├─ probe: train on 80 % of the prompts, keep the epoch with the lowest weighted MSE on the rest
+    └─ final: refit on all m prompts for that many epochs (AdamW, cosine learning rate, batches of prompts)
+    score(texts) = expm1(mean over {probe, final} of head(h_last(texts)))     (only the order matters)
+    update(recent) = both networks trained on the window of recent samples for a few epochs,
                      built aside and swapped in under a lock
+
+The probe is kept as a second ensemble member because it is already trained: on two held-out
+folds of the records below, the average of the two ranked groups better than the final network
+alone (recall@20/10/5 % .869/.799/.683 against .860/.793/.647, mean of the folds).
 
 Why start from the policy's weights: the ranker has to predict what *this* policy will do with a
 prompt, including its systematic mistakes, and the policy's network already computes the features
@@ -88,7 +92,7 @@ class FinetunedLMRanker(Ranker):
         self.min_prompts, self.seed = int(min_prompts), int(seed)
         self._buffer: deque[tuple[str, float]] = deque(maxlen=int(window))
         self._lock = threading.Lock()
-        self._net = None  # (decoder, head) once fine-tuned
+        self._nets = None  # ((decoder, head), ...) once fine-tuned: the probe and the final network
         self._const: float | None = None
         self.params_: dict = {}
         self.loo_rmse_: float | None = None  # held-out RMSE of log prompt means (the blend's prior count)
@@ -197,6 +201,8 @@ class FinetunedLMRanker(Ranker):
         rng = np.random.default_rng(self.seed)
         order = rng.permutation(len(uniq))
         n_val = max(1, int(round(self.val_frac * len(uniq))))
+        if n_val >= len(uniq):
+            raise ValueError(f"ranker 'lm': val_frac={self.val_frac} leaves no training prompt of {len(uniq)}")
         val, tr = order[:n_val], order[n_val:]
         probe = self._fresh(float(np.average(y[tr], weights=w[tr])))
         history = self._train(probe, [uniq[i] for i in tr], y[tr], w[tr], self.epochs,
@@ -204,7 +210,7 @@ class FinetunedLMRanker(Ranker):
         best = int(np.argmin(history)) + 1
         net = self._fresh(float(np.average(y, weights=w)))
         self._train(net, uniq, y, w, best)
-        self._install(net, None, {"prompts": len(uniq), "epochs": best, "val_mse": history[best - 1]})
+        self._install((probe, net), None, {"prompts": len(uniq), "epochs": best, "val_mse": history[best - 1]})
         self.loo_rmse_ = float(np.sqrt(history[best - 1]))
         return self
 
@@ -212,28 +218,30 @@ class FinetunedLMRanker(Ranker):
         texts, lens, _ = check_samples(texts, lengths, keys)
         with self._lock:
             self._buffer.extend(zip(texts, lens.tolist()))
-            pairs, net = list(self._buffer), self._net
-        if net is None:  # not fine-tuned yet: a full fit once there are enough prompts
+            pairs, nets = list(self._buffer), self._nets
+        if nets is None:  # not fine-tuned yet: a full fit once there are enough prompts
             self.fit([t for t, _ in pairs], [n for _, n in pairs])
             return
         if self.update_epochs == 0 or not texts:
             return
         uniq, y, w = self._groups(pairs)
-        new = copy.deepcopy(net)  # trained aside; score keeps using the current one meanwhile
-        self._train(new, uniq, y, w, self.update_epochs)
+        new = copy.deepcopy(nets)  # trained aside; score keeps using the current ones meanwhile
+        for net in new:
+            self._train(net, uniq, y, w, self.update_epochs)
         self._install(new, None, {**self.params_, "prompts": len(uniq), "updates": self.params_.get("updates", 0) + 1})
 
-    def _install(self, net, const: float | None, params: dict) -> None:
+    def _install(self, nets, const: float | None, params: dict) -> None:
         with self._lock:
-            self._net, self._const, self.params_ = net, const, params
+            self._nets, self._const, self.params_ = nets, const, params
 
     def score(self, texts, keys=None) -> np.ndarray:
         texts, _, _ = check_samples(texts, None, keys)
         with self._lock:
-            net, const = self._net, self._const
-        if net is None and const is None:
+            nets, const = self._nets, self._const
+        if nets is None and const is None:
             raise RuntimeError("FinetunedLMRanker.score called before fit")
         if not texts:
             return np.zeros(0)
-        log_pred = np.full(len(texts), const) if net is None else self._predict(net, texts)
+        log_pred = (np.full(len(texts), const) if nets is None
+                    else np.mean([self._predict(net, texts) for net in nets], axis=0))
         return np.expm1(np.minimum(log_pred, 50.0))
