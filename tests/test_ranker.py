@@ -248,6 +248,25 @@ def test_streaming_protocol_never_scores_what_it_has_seen(tmp_path):
     assert table["random"]["recall@20%"] == pytest.approx(0.2)
 
 
+def test_run_suite_runs_only_the_protocols_asked_for(tmp_path):
+    from streamrl.ranker.evaluate import run_suite
+
+    rows = [{"key": f"p{i}", "text": f"prompt {i}", "length": 10.0 * (i + 1) + step, "step": step}
+            for step in range(3) for i in range(10)]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    every = run_suite("samples", tmp_path, ["history"], file=path)
+    assert [t.split(": ")[1] for t, _, _ in every] == ["streaming over 3 steps", "held-out prompts",
+                                                         "held-out samples of seen prompts"]
+    only = run_suite("samples", tmp_path, ["history"], file=path, protocols=["prompts"])
+    assert [t.split(": ")[1] for t, _, _ in only] == ["held-out prompts"]
+    def same(rows):  # the wall time differs, and Spearman is NaN (every history score equal)
+        return [{k: v for k, v in r.items() if k not in ("fit_s", "spearman")} for r in rows]
+    assert same(only[0][1]) == same(every[1][1])
+    with pytest.raises(ValueError, match="none of the protocols \\['transfer'\\]"):
+        run_suite("samples", tmp_path, ["history"], file=path, protocols=["transfer"])
+
+
 def test_rank_eval_on_real_qwen_math(tmp_path):
     if not (default_data_dir() / QWEN_MATH_FILE).exists():
         pytest.skip(f"{QWEN_MATH_FILE} not in {default_data_dir()} (set STREAMRL_DATA_DIR)")

@@ -21,9 +21,18 @@ prompt, including its systematic mistakes, and the policy's network already comp
 that drive them. A prompt-only regression on the text (``learned``) can at best learn the task;
 on the synthetic task the policy's runaway and early-stopping chains decide the longest groups,
 and the task's own solution length ranks them worse than the fine-tuned policy does. Measured,
-``streamrl rank eval --data samples`` on 4,096 prompts x 8 samples of the seed-0 RL policy, 5-fold
-held-out prompts, recall@20/10/5 % and Spearman per GRPO group (group-mean) — see the closing note
-of issue 4 and ``docs/bench/rank_live4096.json`` for the full table.
+``streamrl rank eval --data samples`` on 4,096 prompts x 8 samples of the seed-0 RL policy (T = 1),
+5 folds by prompt (evaluation prompts never trained on), recall@20/10/5 % and Spearman
+(``docs/bench/rank_live4096.json``)::
+
+                          per GRPO group (mean length)   per sample
+    lm                    .855 .789 .732 .969            .795 .669 .569 .929
+    learned               .744 .630 .598 .943            .704 .541 .488 .907
+    task solution length  .800 .662 .626 .949            .744 .599 .539 .906   (diagnostic)
+    oracle                .914 .880 .878 .980 (half vs half)  .811 .697 .601 .933 (other samples)
+
+The same network fine-tuned from random weights (one fold): .756 .671 .585 per group, against
+.848 .805 .683 from the policy's weights; the start is what carries the signal.
 
 Cost: a fit is minutes of CPU on thousands of prompts (the paper: "minutes of training"), run
 before the first iteration and in the online refresh's background thread; scoring is one forward
