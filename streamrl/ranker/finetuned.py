@@ -31,6 +31,9 @@ and the task's own solution length ranks them worse than the fine-tuned policy d
     task solution length  .800 .662 .626 .949            .744 .599 .539 .906   (diagnostic)
     oracle                .914 .880 .878 .980 (half vs half)  .811 .697 .601 .933 (other samples)
 
+With 8,192 prompts x 8 (``rank_live8192.json``): lm .873 .791 .713 .974 per group, .800 .672 .559
+.934 per sample (oracles .911 .894 .883 .980 and .810 .689 .590 .935).
+
 The same network fine-tuned from random weights (one fold): .756 .671 .585 per group, against
 .848 .805 .683 from the policy's weights; the start is what carries the signal.
 
