@@ -489,3 +489,13 @@ def test_blend_with_the_lm_prior_scores_new_prompts_by_the_fine_tuned_policy(tin
     assert blend.prior.loo_rmse_ is not None and blend.prior_count_ > 0
     with pytest.raises(ValueError, match="blend prior must be"):
         make_ranker("blend", prior="trees")
+
+
+def test_the_sgs_builds_lm_rankers_from_the_runs_policy(tiny_policy_dir):
+    from streamrl.config import load_config
+    from streamrl.sgs.service import make_online_ranker
+
+    cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "ranker.name=lm"])
+    assert make_online_ranker(cfg).ranker.model_path == tiny_policy_dir
+    cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "ranker.name=blend", "ranker.kwargs={prior: lm}"])
+    assert make_online_ranker(cfg).ranker.prior.model_path == tiny_policy_dir
