@@ -31,8 +31,9 @@ run: a held-out-prompt ranker, as in RL's first epoch. Its recall/Spearman on th
 the recorded lengths are printed beside the table. Algorithm 2's P50/P90 come from the same other
 prompts' lengths (the "recent distribution"), never from the batch. ``--ranker lm`` fine-tunes
 the bench's policy on those lengths (``ranker/finetuned.py``, about a minute here); on the default
-batch it ranked .85 / .62 / .50 (Spearman .93) against ``learned``'s .73 / .62 / .67 (.90), and
-skew+ranker+hedged went from 0.86-0.89 to 0.84 of random+FIFO (README).
+batch it ranked .85 / .62 / .50 or .85 / .46 / .67 (Spearman .93; one network, then the
+ensemble) against ``learned``'s .73 / .62 / .67 (.90), and skew+ranker+hedged gave 0.84-0.90 of
+random+FIFO in three runs against 0.86-0.89 with ``learned`` (README).
 
 Latency model and lower bound. PTL(BS) of one instance is measured here first (the engine with
 EOS unreachable, one thread, batch sizes up to ``batch``; ``sgs.engines.profile``) or read from

@@ -184,17 +184,20 @@ class FinetunedLMRanker(Ranker):
         return history
 
     def _mse(self, net, texts, y, w) -> float:
-        pred = self._predict(net, texts)
+        pred = self._predict([net], texts)
         return float(np.average((pred - y) ** 2, weights=w))
 
-    def _predict(self, net, texts: Sequence[str]) -> np.ndarray:
+    def _predict(self, nets, texts: Sequence[str]) -> np.ndarray:
+        """Mean log-length prediction of ``nets`` (each a (decoder, head)), each chunk encoded once."""
         import torch
 
-        net[0].eval()
+        for decoder, _ in nets:
+            decoder.eval()
         out = []
         with torch.no_grad():
             for i in range(0, len(texts), 512):
-                out.append(self._forward(net, *self._encode(texts[i:i + 512])).double().numpy())
+                x, mask = self._encode(texts[i:i + 512])
+                out.append(np.mean([self._forward(net, x, mask).double().numpy() for net in nets], axis=0))
         return np.concatenate(out) if out else np.zeros(0)
 
     # -- Ranker -----------------------------------------------------------------------------
@@ -255,5 +258,5 @@ class FinetunedLMRanker(Ranker):
         if not texts:
             return np.zeros(0)
         log_pred = (np.full(len(texts), const) if nets is None
-                    else np.mean([self._predict(net, texts) for net in nets], axis=0))
+                    else self._predict(nets, texts))
         return np.expm1(np.minimum(log_pred, 50.0))
