@@ -186,6 +186,8 @@ class PlacementConfig(_Section):
 class LoggingConfig(_Section):
     tensorboard: bool = True
     jsonl: bool = True
+    samples: bool = Field(False, description="write every trained sample (prompt, response, length, reward, "
+                          "versions) to run.out_dir/samples.jsonl: the rollout log, and `rank eval` records")
 
 
 class Config(_Section):

@@ -16,7 +16,9 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
 
     out = tmp_path / "run"
     lines = []
-    summary = train(_cfg(tiny_policy_dir, out, "run.iterations=2"), echo=lines.append)
+    # 4 training prompts, 4 per iteration: every iteration is a new epoch over the same prompts
+    summary = train(_cfg(tiny_policy_dir, out, "run.iterations=2", "task.num_train=4", "logging.samples=true"),
+                    echo=lines.append)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     per_iter = [r for r in records if "reward/mean" in r]
     assert len(per_iter) == 2
@@ -28,7 +30,26 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
     assert (out / "checkpoint" / "trainer.pt").is_file() and (out / "checkpoint" / "policy" / "config.json").is_file()
     assert "eval/accuracy" in summary["before"] and "eval/accuracy" in summary["after"]
 
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4 * 2  # iterations x prompts x samples: every trained sample, once
+    assert [r["epoch"] for r in rows] == [r["iteration"] for r in rows]  # the k-th visit of each prompt
+    assert {(r["iteration"], r["key"], r["sample_idx"]) for r in rows} == {
+        (it, k, i) for it in (0, 1) for k in {r["key"] for r in rows} for i in (0, 1)}
+    assert all(r["length"] >= 1 and r["text"] and r["finish_reason"] in ("stop", "length") for r in rows)
+
+    # a row written after the checkpoint (iteration 2 of a crashed run) is dropped on resume
+    with open(out / "samples.jsonl", "a") as f:
+        f.write(json.dumps({**rows[0], "iteration": 2, "epoch": 2, "length": 999}) + "\n")
     lines.clear()
-    train(_cfg(tiny_policy_dir, out, "run.iterations=3", "run.resume=true"), echo=lines.append)
+    train(_cfg(tiny_policy_dir, out, "run.iterations=3", "run.resume=true", "task.num_train=4", "logging.samples=true"),
+          echo=lines.append)
     assert any("resumed" in line and "iteration 2" in line for line in lines)
     assert sum(1 for line in lines if line.startswith("iter")) == 1  # only the third iteration ran
+    resumed = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert resumed[:16] == rows and len(resumed) == 24
+    assert {r["epoch"] for r in resumed[16:]} == {2} and 999 not in [r["length"] for r in resumed[16:]]
+
+    from streamrl.ranker.evaluate import load_samples_jsonl
+
+    records = load_samples_jsonl(out / "samples.jsonl", step_field="epoch")  # `rank eval` reads the log as it is
+    assert sorted({r.step for r in records}) == [0, 1, 2] and len(records) == 24

@@ -248,6 +248,26 @@ def test_streaming_protocol_never_scores_what_it_has_seen(tmp_path):
     assert table["random"]["recall@20%"] == pytest.approx(0.2)
 
 
+def test_streaming_steps_can_come_from_a_named_column_with_several_warmup_steps(tmp_path):
+    from streamrl.ranker.evaluate import run_suite
+
+    # a rollout log: iterations 0-3 over 2 epochs of the same 10 prompts
+    rows = [{"key": f"p{i}", "text": f"prompt {i}", "length": 10.0 * (i + 1) + it, "iteration": it, "epoch": it // 2}
+            for it in range(4) for i in range(10)]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert sorted({r.step for r in load_samples_jsonl(path, step_field="epoch")}) == [0, 1]
+    with pytest.raises(ValueError, match="missing fields \\['version'\\]"):
+        load_samples_jsonl(path, step_field="version")
+    by_iter = load_samples_jsonl(path, step_field="iteration")
+    preds = streaming(by_iter, lambda: HistoryRanker(), warmup_steps=2)
+    assert [p.batch for p in preds] == ["step 2", "step 3"]
+    assert {s.step for s in preds[0].seen} == {0, 1}
+    (title, table, note), = run_suite("samples", tmp_path, ["history"], file=path, protocols=["streaming"],
+                                      step_field="iteration", warmup_steps=3)
+    assert "'iteration'" in note and {r["batches"] for r in table if r["ranker"] == "history"} == {1}
+
+
 def test_run_suite_runs_only_the_protocols_asked_for(tmp_path):
     from streamrl.ranker.evaluate import run_suite
 

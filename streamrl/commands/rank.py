@@ -32,6 +32,11 @@ def register(sub) -> None:
     p.add_argument("--protocol", action="append", choices=PROTOCOLS, default=None,
                    help="only these protocols (repeatable; default: every one that applies to the data)")
     p.add_argument("--folds", type=int, default=None, help="folds for held-out prompts (5) / samples (2)")
+    p.add_argument("--step-field", default="step", metavar="NAME",
+                   help="--data samples: the column that orders the records (a run's samples.jsonl: epoch or "
+                        "iteration); the streaming protocol's steps")
+    p.add_argument("--warmup-steps", type=int, default=1, metavar="N",
+                   help="streaming: fit on the first N steps, then score each later step and update with it")
     p.add_argument("--decay", type=float, default=1.0, help="history/blend weight decay per step, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p)
@@ -49,13 +54,15 @@ def run_eval(args) -> int:
         raise SystemExit("streamrl rank eval: --data samples needs --file RECORDS.jsonl")
     if not 0.0 < args.decay <= 1.0:
         raise SystemExit(f"streamrl rank eval: --decay must be in (0, 1], got {args.decay}")
+    if args.warmup_steps < 1:
+        raise SystemExit(f"streamrl rank eval: --warmup-steps must be >= 1, got {args.warmup_steps}")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     rankers = tuple(dict.fromkeys(args.ranker)) if args.ranker else DEFAULT_RANKERS
     if "lm" in rankers and not args.model:
         raise SystemExit("streamrl rank eval: ranker 'lm' fine-tunes a model: give its checkpoint with --model DIR")
     kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}, "lm": {"model_path": args.model}}
     results = run_suite(args.data, data_dir, rankers, kwargs, file=args.file, folds=args.folds, seed=args.seed,
-                        protocols=args.protocol)
+                        protocols=args.protocol, step_field=args.step_field, warmup_steps=args.warmup_steps)
     columns = ["unit", "ranker", *METRIC_KEYS, "n", "batches", "fit_s"]
     all_rows = []
     for title, rows, note in results:
@@ -66,5 +73,6 @@ def run_eval(args) -> int:
           "(n groups); see streamrl.ranker.evaluate")
     print("paper (Qwen2.5-7B ranker, Table 4, per sample): recall@20/10/5% = 0.87 / 0.82 / 0.76")
     write_json(args.out, {"data": args.data, "data_dir": str(data_dir), "rankers": list(rankers),
-                          "seed": args.seed, "decay": args.decay, "rows": all_rows})
+                          "seed": args.seed, "decay": args.decay, "step_field": args.step_field,
+                          "warmup_steps": args.warmup_steps, "rows": all_rows})
     return 0

@@ -123,6 +123,11 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
         stream.load_state(extra["stream"])
         start = int(extra["iteration"]) + 1
         echo(f"resumed from {ckpt} at iteration {start}")
+    sample_log = None
+    if cfg.logging.samples:
+        from streamrl.metrics.samples import SampleLog
+
+        sample_log = SampleLog(out, start_iteration=start)
     eval_prompts = task.eval_prompts()
     before = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "before") if start == 0 else {}
     if before:
@@ -133,6 +138,8 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
         prompts = stream.next_batch(cfg.generation.prompts_per_iter)
         ctx.scorer.register(prompts)
         samples, metrics = pipeline.step(it, prompts)
+        if sample_log is not None:
+            sample_log.write(it, samples)
         metrics.update(_sample_metrics(samples))
         metrics.update({f"reward/{k}": v for k, v in ctx.reward_runner.metrics().items()} if hasattr(ctx.reward_runner, "metrics") else {})
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
@@ -157,6 +164,8 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
                "oversized_prompts": ctx.builder.oversized}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pipeline.shutdown()
+    if sample_log is not None:
+        sample_log.close()
     ctx.reward_runner.close()
     logger.close()
     return summary

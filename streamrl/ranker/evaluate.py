@@ -91,18 +91,23 @@ class Prediction:
     seen: list[LengthRecord]
 
 
-def load_samples_jsonl(path: str | Path) -> list[LengthRecord]:
-    """Records from a JSONL of ``{"key", "text", "length", "step"}`` rows (the live-policy format)."""
+def load_samples_jsonl(path: str | Path, step_field: str = "step") -> list[LengthRecord]:
+    """Records from a JSONL of ``{"key", "text", "length", "step"}`` rows (the live-policy format).
+
+    ``step_field`` names the column that orders the records (a run's rollout log,
+    ``metrics/samples.py``, has ``iteration`` and ``epoch``); a missing ``step`` means 0, a missing
+    column named otherwise is an error."""
+    required = ("key", "text", "length") + (() if step_field == "step" else (step_field,))
     out = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             row = json.loads(line)
-            missing = [k for k in ("key", "text", "length") if k not in row]
+            missing = [k for k in required if k not in row]
             if missing:
                 raise ValueError(f"{path} line {line_no}: missing fields {missing} in {sorted(row)}")
-            out.append(LengthRecord(str(row["key"]), str(row["text"]), float(row["length"]), int(row.get("step", 0))))
+            out.append(LengthRecord(str(row["key"]), str(row["text"]), float(row["length"]), int(row.get(step_field, 0))))
     if not out:
         raise ValueError(f"{path}: no records")
     return out
@@ -311,11 +316,11 @@ def _synthetic_solution_lengths(records: Sequence[LengthRecord]) -> dict[str, fl
 
 def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[str],
              ranker_kwargs: dict[str, dict] | None = None, test_records: Sequence[LengthRecord] | None = None,
-             folds: int | None = None, seed: int = 0) -> list[dict]:
+             folds: int | None = None, seed: int = 0, warmup_steps: int = 1) -> list[dict]:
     """Rows ``{"protocol", "unit", "ranker", recall@..., "spearman", "n", "batches"}`` for one protocol.
 
-    ``protocol`` is ``prompts``, ``samples``, ``streaming`` or ``transfer`` (then ``records`` is the
-    training set and ``test_records`` the evaluation set). First the ``sample`` rows (rankers with
+    ``protocol`` is ``prompts``, ``samples``, ``streaming`` (fitted on the first ``warmup_steps``
+    steps) or ``transfer`` (then ``records`` is the training set and ``test_records`` the evaluation set). First the ``sample`` rows (rankers with
     ``fit_s``, the wall time of the whole protocol, then the reference rows), then the same for
     each group unit.
     """
@@ -332,7 +337,7 @@ def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[s
         elif protocol == "samples":
             preds = sample_folds(records, factory, k=folds or 2, seed=seed)
         elif protocol == "streaming":
-            preds = streaming(records, factory)
+            preds = streaming(records, factory, warmup_steps=warmup_steps)
         elif protocol == "transfer":
             if test_records is None:
                 raise ValueError("protocol 'transfer' needs test_records")
@@ -431,12 +436,17 @@ def _require(data_dir: Path, *names: str) -> None:
 
 def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: dict[str, dict] | None = None,
               file: str | Path | None = None, folds: int | None = None, seed: int = 0,
-              protocols: Sequence[str] | None = None) -> list[tuple[str, list[dict], str]]:
-    """Every protocol that applies to ``data`` (or those of them in ``protocols``): ``(title, rows, note)``."""
+              protocols: Sequence[str] | None = None, step_field: str = "step",
+              warmup_steps: int = 1) -> list[tuple[str, list[dict], str]]:
+    """Every protocol that applies to ``data`` (or those of them in ``protocols``): ``(title, rows, note)``.
+
+    ``step_field`` and ``warmup_steps`` apply to ``samples`` records: the column that orders them and
+    how many of its first steps the streaming protocol fits on before it scores the next."""
     def run(protocol: str, recs, test=None) -> list[dict] | None:
         if protocols and protocol not in protocols:
             return None
-        return evaluate(protocol, recs, rankers, ranker_kwargs, test_records=test, folds=folds, seed=seed)
+        return evaluate(protocol, recs, rankers, ranker_kwargs, test_records=test, folds=folds, seed=seed,
+                        warmup_steps=warmup_steps)
 
     out = []
     if data == "qwen-math":
@@ -467,13 +477,15 @@ def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: 
     elif data == "samples":
         if file is None:
             raise ValueError("data 'samples' needs a records file")
-        recs = load_samples_jsonl(file)
+        recs = load_samples_jsonl(file, step_field)
         steps = {r.step for r in recs}
         counts = defaultdict(int)
         for r in recs:
             counts[r.key] += 1
-        if len(steps) > 1:
-            out.append((f"{file}: streaming over {len(steps)} steps", run("streaming", recs), "per step"))
+        if len(steps) > warmup_steps:
+            out.append((f"{file}: streaming over {len(steps)} steps", run("streaming", recs),
+                        f"steps by {step_field!r}: fit on the first {warmup_steps}, score each later one, then "
+                        "update with it; metrics per step"))
         if len(counts) >= (folds or 5):
             out.append((f"{file}: held-out prompts", run("prompts", recs), f"{folds or 5}-fold by prompt"))
         if min(counts.values()) >= (folds or 2):

@@ -1,0 +1,63 @@
+"""The rollout log: every trained sample of a run as one JSONL row (``logging.samples: true``).
+
+One row per sample, written by the driver after each iteration's ``pipeline.step`` (so the file
+holds what the trainer consumed, in iteration order). A run resumed at iteration k keeps the rows
+of iterations before k and drops later ones (written after the checkpoint it resumes from, they
+will be generated again); a fresh run starts an empty file::
+
+    {"iteration", "epoch", "key", "text", "sample_idx", "length", "reward", "finish_reason",
+     "version_start", "version_end", "instance", "response"}
+
+``epoch`` is how many earlier iterations drew the same prompt: 0 the first time the run saw it, 1
+the second, ... (the prompt stream's epoch where batches do not straddle an epoch boundary). The
+rows are ``streamrl rank eval --data samples`` records as they are (``key``, ``text``, ``length``;
+``--step-field epoch`` or ``iteration`` says which column orders them), so the ranker can be
+evaluated on the lengths a real RL run produced, with the history an online ranker would have had.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+from streamrl.types import Sample
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+class SampleLog:
+    """Appends each iteration's samples to ``out_dir/samples.jsonl`` (from ``start_iteration`` on)."""
+
+    def __init__(self, out_dir: str | Path, start_iteration: int = 0) -> None:
+        self.path = Path(out_dir) / SAMPLES_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        self._visits: Counter[str] = Counter()
+        if start_iteration > 0 and self.path.is_file():
+            for line in filter(str.strip, self.path.read_text().splitlines()):
+                row = json.loads(line)
+                if row["iteration"] < start_iteration:
+                    kept.append(line + "\n")
+                    self._visits[row["key"]] = max(self._visits[row["key"]], int(row["epoch"]) + 1)
+        self.path.write_text("".join(kept))
+        self._file = open(self.path, "a")
+
+    def write(self, iteration: int, samples: Iterable[Sample]) -> int:
+        """Write one iteration's samples; returns how many rows were written."""
+        samples = list(samples)
+        keys = {s.prompt.prompt_id for s in samples}
+        for s in samples:
+            c = s.completion
+            row = {"iteration": iteration, "epoch": self._visits[s.prompt.prompt_id], "key": s.prompt.prompt_id,
+                   "text": s.prompt.text, "sample_idx": s.sample_idx, "length": s.num_response_tokens,
+                   "reward": s.reward, "finish_reason": c.finish_reason, "version_start": c.version_start,
+                   "version_end": c.version_end, "instance": c.instance, "response": s.response_text}
+            self._file.write(json.dumps(row) + "\n")
+        self._visits.update(keys)
+        self._file.flush()
+        return len(samples)
+
+    def close(self) -> None:
+        self._file.close()
