@@ -44,3 +44,21 @@ def test_bench_modes_rejects_colocated_thread_counts_beyond_the_cluster(tmp_path
     cfg = load_config("configs/bench.yaml", [])
     with pytest.raises(ValueError, match=r"colocated_threads \[3\]"):
         bench_modes(cfg, 0, 1, tmp_path, modes=("colocated",), colocated_threads=(1, 3))
+
+
+def test_history_policy_lengths_reach_the_ranker_for_every_batch_prompt(ray_session, tiny_policy_dir):
+    """A later-epoch bench: the earlier checkpoint's greedy lengths are what ``history`` ranks by."""
+    from streamrl.bench.scheduling import CONFIGS, bench_scheduling
+
+    cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "generation.max_new_tokens=24", "task.num_train=64",
+                             "cluster.num_cpus=2"])
+    configs = tuple(c for c in CONFIGS if c.name in ("random+fifo", "skew+ranker"))
+    res = bench_scheduling(cfg, prompts=8, instances=2, batch=2, repeats=1, ranker="history", ranker_prompts=8,
+                           profile="profiles/cpu-tiny.json", configs=configs, history_policy=tiny_policy_dir,
+                           echo=lambda *_: None)
+    hist, batch = res["recorded_lengths"]["history"], res["recorded_lengths"]["batch"]
+    assert set(hist) == set(batch) and hist == batch  # same weights, greedy: the same lengths
+    assert res["ranker"]["fit_prompts"] == 8 + 8  # the other prompts and the batch prompts' history
+    assert res["ranker_scores"] == pytest.approx(hist)  # one remembered length per prompt is its score
+    assert res["ranker"]["history_policy"] == tiny_policy_dir and "spearman" in res["ranker"]["history_alone"]
+    assert [r["config"] for r in res["rows"]] == ["random+fifo", "skew+ranker"]

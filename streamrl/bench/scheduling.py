@@ -27,7 +27,11 @@ can drop below 1 only where float rounding differs between batch compositions an
 
 What the ranker sees. It is fitted on this policy's (greedy) lengths for *other* prompts of the
 task (``ranker_prompts`` of them, disjoint from the batch), then scores the batch ahead of the
-run: a held-out-prompt ranker, as in RL's first epoch. Its recall/Spearman on the batch against
+run: a held-out-prompt ranker, as in RL's first epoch. With ``history_policy`` (an earlier
+checkpoint of the policy, e.g. the one RL started from) it is a later epoch instead: that
+checkpoint's greedy lengths on the batch prompts join the ranker's data, as the rollouts of the
+epoch before would (``history`` and ``blend`` remember them by prompt), and the table also shows
+how well those lengths alone rank the bench policy's. Its recall/Spearman on the batch against
 the recorded lengths are printed beside the table. Algorithm 2's P50/P90 come from the same other
 prompts' lengths (the "recent distribution"), never from the batch. ``--ranker lm`` fine-tunes
 the bench's policy on those lengths (``ranker/finetuned.py``, about a minute here); on the default
@@ -173,9 +177,34 @@ def _run(sgs, requests, predicted) -> dict:
             "lengths": {c.request_id: len(c.output_ids) for c in done}, "instance_end_s": by_inst}
 
 
+def _prompt_key(request_id: str) -> str:
+    """``"<tag>:<prompt_id>/<sample>"`` -> ``prompt_id`` (RequestBuilder's request ids)."""
+    return request_id.split(":", 1)[1].rsplit("/", 1)[0]
+
+
+def _record_history(cfg: Config, history_policy: str, builder, batch_prompts, instances: int, tok, echo) -> dict[str, int]:
+    """Greedy lengths of an earlier checkpoint on the batch prompts (what a ranker remembers from the
+    epoch before), from its own instances, which are shut down before the bench's start."""
+    from streamrl.models.tiny import load_policy
+    from streamrl.sgs.service import StreamGenerationService
+
+    _, hist_tok = load_policy(history_policy)
+    if hist_tok.get_vocab() != tok.get_vocab():
+        raise ValueError(f"history_policy={history_policy!r} has another tokenizer than policy.path={cfg.policy.path!r}")
+    echo(f"scheduling: history run ({len(batch_prompts)} batch prompts, greedy) with {history_policy}")
+    sgs = StreamGenerationService(cfg, policy_path=history_policy, ranker=None, engine_overrides={"temperature": 0.0})
+    try:
+        for _ in range(instances):
+            sgs.add_instance()
+        done = list(sgs.generate(builder.build(batch_prompts, 0, tag="history-")))
+    finally:
+        sgs.shutdown()
+    return {_prompt_key(c.request_id): len(c.output_ids) for c in done}
+
+
 def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch: int = 16, repeats: int = 8,
                      ranker: str = "learned", ranker_prompts: int | None = 2048, profile: str | None = None,
-                     configs=CONFIGS, echo=print) -> dict:
+                     configs=CONFIGS, history_policy: str | None = None, echo=print) -> dict:
     from streamrl.controller.common import RequestBuilder, make_task
     from streamrl.controller.driver import ensure_policy, init_ray
     from streamrl.models.tiny import load_policy
@@ -211,6 +240,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     latency = load_profile(profile) if profile else _measure_latency(cfg, batch, round(prompt_len), echo)
 
     init_ray(cfg)
+    hist_len = _record_history(cfg, history_policy, builder, batch_prompts, instances, tok, echo) if history_policy else {}
     sgs = StreamGenerationService(cfg, ranker=None, engine_overrides={"temperature": 0.0}, hold_back=True)
     sgs.latency = latency  # rebalancing's model: the PTL measured (or read) above
     try:
@@ -220,12 +250,13 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         echo(f"scheduling: recording run ({prompts} prompts, greedy) and ranker data ({ranker_prompts} other prompts)")
         sgs.configure("round-robin", "fifo", False)
         rec = _run(sgs, builder.build(batch_prompts, 0, tag="record-"), None)
-        oracle = {rid.split(":", 1)[1].rsplit("/", 1)[0]: n for rid, n in rec["lengths"].items()}
+        oracle = {_prompt_key(rid): n for rid, n in rec["lengths"].items()}
         other = _run(sgs, builder.build(other_prompts, 0, tag="rankdata-"), None)
-        other_len = {rid.split(":", 1)[1].rsplit("/", 1)[0]: n for rid, n in other["lengths"].items()}
+        other_len = {_prompt_key(rid): n for rid, n in other["lengths"].items()}
         text_of = {p.prompt_id: p.text for p in pool}
+        fit_len = {**other_len, **hist_len}  # the batch prompts' keys are disjoint from the others'
         t_fit = time.perf_counter()
-        rk = make_ranker(ranker, policy_path=cfg.policy.path).fit([text_of[k] for k in other_len], list(other_len.values()), list(other_len))
+        rk = make_ranker(ranker, policy_path=cfg.policy.path).fit([text_of[k] for k in fit_len], list(fit_len.values()), list(fit_len))
         fit_s = time.perf_counter() - t_fit
         t_score = time.perf_counter()
         scores = dict(zip([p.prompt_id for p in batch_prompts],
@@ -233,7 +264,10 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         score_s = time.perf_counter() - t_score
         true = [oracle[p.prompt_id] for p in batch_prompts]
         ranker_row = {"ranker": ranker, **rank_metrics(true, [scores[p.prompt_id] for p in batch_prompts]),
-                      "fit_s": fit_s, "score_s": score_s, "train_prompts": len(other_len)}
+                      "fit_s": fit_s, "score_s": score_s, "train_prompts": len(other_len), "fit_prompts": len(fit_len)}
+        if hist_len:  # how well the earlier checkpoint's lengths alone rank this policy's
+            ranker_row["history_policy"] = history_policy
+            ranker_row["history_alone"] = rank_metrics(true, [hist_len[p.prompt_id] for p in batch_prompts])
         history = list(other_len.values())
         bound = lower_bound_s(true, latency, instances, batch, prompt_len)
 
@@ -273,7 +307,8 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         p90_len=float(np.percentile(true, 90)), max_len=int(max(true)), decoding="greedy"))
     # The greedy lengths themselves (batch and ranker data), so the table can be re-modelled offline.
     result["recorded_lengths"] = {"batch": {p.prompt_id: oracle[p.prompt_id] for p in batch_prompts},
-                                  "ranker_data": other_len}
+                                  "ranker_data": other_len, "history": hist_len}
+    result["ranker_scores"] = scores
     return result
 
 

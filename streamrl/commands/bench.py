@@ -36,6 +36,10 @@ def register(sub) -> None:
     s.add_argument("--ranker", default="learned", help="ranker fitted on other prompts' lengths (learned)")
     s.add_argument("--ranker-prompts", type=int, default=2048,
                    help="other prompts whose lengths the ranker learns from (2048)")
+    s.add_argument("--history-policy", default=None, metavar="DIR",
+                   help="an earlier checkpoint of the policy: its greedy lengths on the batch prompts join the "
+                        "ranker's data (a later epoch of RL, where history/blend remember each prompt); default: "
+                        "none (a first epoch: the batch prompts are unseen)")
     s.add_argument("--profile", default=None, help="PTL profile JSON; default: measure PTL(BS) here first")
     s.add_argument("--configs", default=None, help="comma list of configurations (default: all of them)")
     add_out_argument(s)
@@ -94,10 +98,15 @@ def run_scheduling(args) -> int:
         configs = tuple(by_name[n] for n in names)
     result = bench_scheduling(cfg, prompts=args.prompts, instances=args.instances, batch=args.batch,
                               repeats=args.repeats, ranker=args.ranker, ranker_prompts=args.ranker_prompts,
-                              profile=args.profile, configs=configs)
+                              profile=args.profile, configs=configs, history_policy=args.history_policy)
     su, lb = result["setup"], result["lower_bound"]
-    print_table(f"ranker ({args.ranker}, fitted on {result['ranker']['train_prompts']} other prompts) on the batch",
-                [result["ranker"]], ["ranker", "recall@20%", "recall@10%", "recall@5%", "spearman", "fit_s", "score_s"])
+    fitted = f"{result['ranker']['train_prompts']} other prompts"
+    ranker_rows = [result["ranker"]]
+    if args.history_policy:
+        fitted += f" + the batch prompts' lengths under {args.history_policy}"
+        ranker_rows.append({"ranker": "history policy's lengths alone", **result["ranker"]["history_alone"]})
+    print_table(f"ranker ({args.ranker}, fitted on {fitted}) on the batch",
+                ranker_rows, ["ranker", "recall@20%", "recall@10%", "recall@5%", "spearman", "fit_s", "score_s"])
     print_table(f"bench scheduling: {su['prompts']} prompts (greedy, mean {su['mean_len']:.0f} / p90 {su['p90_len']:.0f} / "
                 f"max {su['max_len']} tokens) on {su['instances']} instances, batch {su['batch']}, {su['repeats']} runs "
                 f"each; lower bound {lb['lower_bound_s']:.2f}s (longest alone {lb['longest_alone_s']:.2f}s, all tokens at "
