@@ -9,8 +9,8 @@ EOS is unreachable unless a test sets it, so ``max_new_tokens`` alone makes a re
 long. What is checked: finish-order streaming (short before long, also when added later), LPT
 admission, log-prob parity with a plain transformers forward pass (so the backends agree with
 each other within the same tolerance), greedy tokens identical to transformers' ``generate``,
-weight updates (between requests and mid-flight, visible in the versions), cancellation, and
-loud failures on bad input.
+weight updates (between requests and mid-flight, visible in the versions), cancellation,
+preemption with the generated prefix (runtime rebalancing), and loud failures on bad input.
 """
 
 from __future__ import annotations
@@ -238,6 +238,53 @@ def test_cancel_drops_waiting_and_running_requests(engine_factory):
     stats = e.stats()
     assert stats["gen/requests_cancelled"] == 2 and stats["gen/running"] == 0
     assert stats["gen/tokens"] < 3000  # the cancelled request did not run to its end unseen
+
+
+def test_preempted_request_resumes_from_its_prefix_to_the_uninterrupted_output(backend, engine_factory):
+    """Runtime rebalancing's primitive: stop a running request between two decode steps, take
+    its prefix, continue from prompt + prefix on a second engine with the same weights: greedy
+    decoding gives the same tokens as one uninterrupted run, log-probs within float noise, and
+    the stopped request is never returned by the first engine. A queued one goes with no prefix."""
+    import time
+
+    kw = dict(temperature=0.0, num_blocks=128, max_inflight=2)
+    if backend == "vllm":
+        kw["track_progress"] = True  # per-step outputs: what the instance asks for when the SGS rebalances
+    a = engine_factory(**kw)
+    assert a.supports_preempt
+    a.add_request(req("ref", 200))
+    (ref,) = collect(a, 1)
+    a.add_request(req("r", 200))
+    a.add_request(req("other", 200))
+    a.add_request(req("queued", 200, priority=-1.0))  # two slots: it waits
+    t0 = time.time()
+    while a.progress().get("r", 0) < 20:
+        assert time.time() - t0 < 30, a.progress()
+        time.sleep(0.005)
+    assert a.waiting_ids() == ["queued"] and "queued" not in a.progress()
+    assert a.preempt("r", running=False) is None  # started: only queued requests may go then
+    queued = a.preempt("queued", running=False)
+    assert queued is not None and queued.request.request_id == "queued" and queued.output_ids == ()
+    part = a.preempt("r")
+    assert a.preempt("r") is None and a.preempt("unknown") is None  # stopped once; unknown ids: None
+    assert [c.request_id for c in collect(a, 1)] == ["other"] and a.num_pending() == 0  # "r" never comes back
+    assert part is not None and part.request.request_id == "r" and 20 <= len(part.output_ids) < 200
+    assert len(part.logprobs) == len(part.output_ids) and part.version_start == 0
+    b = engine_factory(**kw)
+    b.add_request(req("r", 200 - len(part.output_ids), prompt=(1, 2, 3) + part.output_ids))
+    (tail,) = collect(b, 1)
+    assert part.output_ids + tail.output_ids == ref.output_ids
+    torch.testing.assert_close(torch.tensor(part.logprobs + tail.logprobs), torch.tensor(ref.logprobs),
+                               atol=ATOL, rtol=0)
+
+
+def test_an_engine_without_progress_tracking_says_it_cannot_preempt(backend, engine_factory):
+    if backend == "transformers":
+        pytest.skip("the transformers backend always tracks progress (it reads CB's request states)")
+    e = engine_factory()
+    assert not e.supports_preempt and e.progress() == {}
+    with pytest.raises(NotImplementedError, match="track_progress"):
+        e.preempt("r")
 
 
 def test_admission_follows_priority_when_more_requests_than_slots(engine_factory):

@@ -73,3 +73,47 @@ def test_stream_async_run_with_two_vllm_instances(ray_three_cpus, vllm_policy_di
     assert max(e["version"] for e in gens) >= iterations - 2
     assert "eval/accuracy" in summary["after"] and len(summary["rewards"]) == iterations
     assert (out / "checkpoint" / "policy" / "config.json").is_file()
+
+
+def test_rebalancing_moves_running_vllm_requests_with_their_prefix(ray_three_cpus, vllm_policy_dir):
+    """Runtime rebalancing on vLLM instances: the SGS builds them with ``track_progress`` (it may
+    rebalance), so running requests can be stopped and resumed on the other instance from their
+    prefix. Four requests fill gen-0's batch while gen-1 idles; each comes back exactly once, whole.
+    EOS is off (``eos_token_id=None``) although the policy's ``generation_config.json`` names one,
+    which vLLM must not add to the stop set: every request runs to its 160 tokens."""
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.models.tiny import load_policy
+    from streamrl.sgs.service import StreamGenerationService
+    from streamrl.tasks.synthetic import SyntheticTask
+
+    class AllOnFirst:  # dispatch that puts everything on gen-0, so only rebalancing can use gen-1
+        def assign(self, predicted_lengths, num_instances):
+            return [0] * len(predicted_lengths)
+
+    cfg = load_config(None, [
+        f"policy.path={vllm_policy_dir}", "generation.engine=vllm", "generation.rebalance=true",
+        "generation.rebalance_threshold=0.1", "generation.max_requests_per_batch=4", "generation.max_new_tokens=160",
+        "generation.n_samples=1", "generation.rebalance_interval_s=0.05", "ranker.name=none", "cluster.num_cpus=3"])
+    _, tok = load_policy(vllm_policy_dir)
+    requests = RequestBuilder(tok, cfg).build(SyntheticTask(num_train=4, num_eval=1, seed=2).train_prompts(), 0, tag="mv")
+    sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
+    sgs.add_instance()
+    sgs.add_instance()
+    sgs.dispatch = AllOnFirst()
+    done, wanted = [], {r.request_id for r in requests}
+    try:
+        sgs.submit(requests)
+        while wanted:
+            for c in sgs.poll():
+                wanted.discard(c.request_id)
+                done.append(c)
+    finally:
+        sgs.shutdown()
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)  # exactly once
+    assert sgs.counters["sgs/rebalanced_running"] >= 1 and sgs.counters["sgs/duplicates"] == 0
+    assert any(c.instance == "gen-1" for c in done)
+    by_id = {r.request_id: r for r in requests}
+    for c in done:
+        assert c.prompt_ids == by_id[c.request_id].prompt_ids
+        assert len(c.output_ids) == len(c.logprobs) == 160 and c.finish_reason == "length"
+        assert all(lp <= 0.0 for lp in c.logprobs)

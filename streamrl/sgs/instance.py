@@ -47,7 +47,8 @@ class GenerationInstance:
             from transformers import PreTrainedTokenizerFast
 
             model, tokenizer = policy_path, PreTrainedTokenizerFast.from_pretrained(policy_path)
-            engine_overrides = {**cfg.generation.vllm, **(engine_overrides or {})}
+            # progress and preemption (per-step outputs) only where the SGS may move requests
+            engine_overrides = {"track_progress": hold_back, **cfg.generation.vllm, **(engine_overrides or {})}
         else:
             model, tokenizer = load_policy(policy_path)
             model = model.eval()

