@@ -320,9 +320,9 @@ def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[s
     """Rows ``{"protocol", "unit", "ranker", recall@..., "spearman", "n", "batches"}`` for one protocol.
 
     ``protocol`` is ``prompts``, ``samples``, ``streaming`` (fitted on the first ``warmup_steps``
-    steps) or ``transfer`` (then ``records`` is the training set and ``test_records`` the evaluation set). First the ``sample`` rows (rankers with
-    ``fit_s``, the wall time of the whole protocol, then the reference rows), then the same for
-    each group unit.
+    steps) or ``transfer`` (then ``records`` is the training set and ``test_records`` the
+    evaluation set). First the ``sample`` rows (rankers with ``fit_s``, the wall time of the whole
+    protocol, then the reference rows), then the same for each group unit.
     """
     import time
 
