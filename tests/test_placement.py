@@ -9,6 +9,7 @@ import pytest
 
 from streamrl.config import ConfigError, load_config
 from streamrl.placement import dry_run, plan_placement
+from streamrl.tasks.base import default_data_dir
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 GPU_PRESETS = sorted(CONFIGS.glob("gpu-*.yaml"))
@@ -36,7 +37,10 @@ def test_every_gpu_preset_plans_disjoint_gpus_for_trainer_and_generation(path):
         assert len({b.node}) == 1 and len(b.gpus) == cfg.placement.gen_gpus_per_instance
         assert b.node.startswith(cfg.placement.gen_gpu_type)
     report = dry_run(cfg)
-    assert report["task_file_present"] and report["engine"] == "vllm" and cfg.placement.trainer_dtype == "bfloat16"
+    assert report["engine"] == "vllm" and cfg.placement.trainer_dtype == "bfloat16"
+    # The GSM8K file ships beside the repository (../shared/data); a clone without it is told which file is missing.
+    assert report["task_file_present"] == (default_data_dir() / "gsm8k_test.jsonl").is_file()
+    assert "gsm8k" in report["task_file"]
 
 
 def test_heterogeneous_preset_trains_on_h800_and_generates_on_h20():
