@@ -231,6 +231,35 @@ def test_rebalance_leaves_small_gaps_and_running_requests_alone():
     assert plan_moves(near, {"a": ["a3"]}, FLAT, max_batch_size=2, threshold=0.5) == []
 
 
+def test_rebalance_round_steals_into_free_slots_from_progress_hand_worked():
+    from streamrl.policies.rebalance import Unfinished, plan_round
+
+    def u(rid, predicted, generated=0, started=False, may_move=True):
+        return Unfinished(rid, predicted, generated, 200, started, may_move)
+
+    # Batch 2, 10 ms/token. a runs r1 (predicted 100, 40 done: 60 left) and r2 (past its prediction
+    # of 50 at 60: the recent lengths that got further overshoot by a median 90 - 60 = 30) and
+    # queues q1, q2 (100 each); b runs one request with 20 left, so it has one free slot.
+    a = [u("r1", 100, 40, True), u("r2", 50, 60, True), u("q1", 100), u("q2", 100)]
+    b = [u("b1", 30, 10, True, may_move=False)]
+    # T_a = 0.01 * max((60 + 30 + 100 + 100) / 2, 100) = 1.45, T_b = 0.01 * 20 = 0.2. Into b's one
+    # free slot: r1 (60 left) gives max(1.15, 0.6), r2 (30) max(1.30, 0.3), q1 (100) max(1.0, 1.0).
+    moves = plan_round({"a": a, "b": b}, FLAT, max_batch_size=2, threshold=0.25, recent=[80, 90, 120])
+    assert [(m.request_id, m.src, m.dst, m.predicted_len) for m in moves] == [("q1", "a", "b", 100.0)]
+    # with q1 and q2 pinned, the running r1 goes: its remaining 60 is what moves
+    pinned = [a[0], a[1], u("q1", 100, may_move=False), u("q2", 100, may_move=False)]
+    moves = plan_round({"a": pinned, "b": b}, FLAT, max_batch_size=2, threshold=0.25, recent=[80, 90, 120])
+    assert [(m.request_id, m.predicted_len) for m in moves] == [("r1", 60.0)]
+    # every instance holds a full batch: nothing to steal into
+    assert plan_round({"a": a, "b": b + [u("b2", 30, 0, True)]}, FLAT, max_batch_size=2) == []
+    # a running request about to finish is not worth stopping; not-started ones still move
+    nearly = [u("r1", 100, 95, True), u("r2", 100, 96, True), u("q1", 100), u("q2", 100)]
+    assert [m.request_id for m in plan_round({"a": nearly, "b": []}, FLAT, max_batch_size=2)] == ["q1"]
+    # the gap is below the threshold
+    even = {"a": [u("q1", 100), u("q2", 100)], "b": [u("b1", 90, 0, True, False)]}
+    assert plan_round(even, FLAT, max_batch_size=2, threshold=0.25) == []
+
+
 def test_rebalance_rejects_bad_input_naming_the_value():
     from streamrl.policies.rebalance import plan_moves
 

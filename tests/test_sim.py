@@ -49,6 +49,23 @@ def test_two_instances_lpt_order_shortens_makespan():
     assert stolen.makespan_s == pytest.approx(0.3) and stolen.steals == 1
 
 
+def test_rebalancing_runs_the_live_check_on_predicted_lengths():
+    """The simulated SGS steals with ``policies.rebalance.plan_round``: the queued request whose
+    move most shortens the *predicted* makespan, not the head of the queue. Instance 0 runs r0
+    (100 tokens) with qa (10) then qb (60) queued; instance 1 runs r1 (20), batch 1, 10 ms/token."""
+    lens, queues = [100, 10, 60, 20], [[0, 1, 2], [3]]
+    assign = [0, 0, 0, 1]
+    # At 0.2 s instance 1 idles; r0 has 80 tokens left. Moving qb leaves max(0.9, 0.6), qa max(1.4, 0.1).
+    oracle = simulate_generation([0] * 4, lens, assign, queues, [flat_cost(max_batch=1)] * 2, rebalance=True)
+    assert oracle.instance.tolist() == [0, 1, 1, 1] and oracle.steals == 2
+    assert oracle.finish_s[2] == pytest.approx(0.8) and oracle.finish_s[1] == pytest.approx(0.9)  # qb, then qa
+    # Believing qa is the long one, it takes qa first (it finishes at 0.3), then qb.
+    swapped = simulate_generation([0] * 4, lens, assign, queues, [flat_cost(max_batch=1)] * 2, rebalance=True,
+                                  predicted=[100, 60, 10, 20])
+    assert swapped.finish_s[1] == pytest.approx(0.3) and swapped.finish_s[2] == pytest.approx(0.9)
+    assert swapped.makespan_s == pytest.approx(1.0) and oracle.makespan_s == pytest.approx(1.0)
+
+
 def test_kv_cache_full_preempts_newest_and_recomputes():
     # two requests (prompt 10, 100 tokens); cache 150 tokens: full after (150 - 20) / 2 = 65 steps.
     res = run([100, 100], [[0, 1]], flat_cost(max_batch=2, kv=150), prompt=10)

@@ -24,15 +24,44 @@ once. Without it a round can pile a queue onto the destination on the strength o
 alone; with a ranker that is often wrong (recall@20% ~0.7), that overshot: the destination ended
 last (``bench scheduling``, skew+ranker+rebalance). A pure function: no Ray, no engine (the SGS
 applies the moves it returns).
+
+One check (``plan_round``), shared by the SGS and the simulator (``sim/engine.py``): it acts only
+while some instance has free batch slots (fewer unfinished requests than ``max_batch_size``: it
+runs under-full or idles, the moment a wrong estimate shows) and some instance has two or more
+requests; each request's remaining length comes from ``remaining_estimate``; nothing moves unless
+the predicted remaining times differ by more than ``threshold`` of the largest; then
+``plan_moves`` with each instance's free slots as its ``room``. A running request predicted to
+finish within ``MIN_MOVE_TOKENS`` is not moved (stopping it would cost more than it saves).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from streamrl.policies.latency import LatencyModel
+
+
+MIN_MOVE_TOKENS = 8  # a running request predicted to finish within this many tokens is not moved
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """One unfinished request as a rebalancing check sees it."""
+
+    request_id: str
+    predicted: float
+    """Predicted total output length (the ranker's, or the oracle's)."""
+    generated: int
+    """Tokens generated so far (a resumed request's prefix included); 0 if it has not started."""
+    budget: int
+    """Its whole token budget: ``max_new_tokens`` of the request as first submitted."""
+    started: bool
+    """Running (True), or not started: held or queued (False)."""
+    may_move: bool
+    """Where it is, it could be taken away: not started and movable there, or running on an engine
+    that preempts (and, by the caller's rule, not moved before)."""
 
 
 @dataclass(frozen=True)
@@ -178,3 +207,38 @@ def plan_moves(
             left[dst] -= 1
         moves.append(Move(rid, src, dst, pred[rid]))
     return moves
+
+
+def has_free_slots(counts: Mapping[str, int], max_batch_size: int) -> bool:
+    """Whether a rebalancing check can act at all: two or more instances, one of them with fewer
+    unfinished requests than a full batch, and one with at least two (something to split)."""
+    return len(counts) >= 2 and min(counts.values()) < max_batch_size and max(counts.values()) >= 2
+
+
+def plan_round(instances: Mapping[str, Sequence[Unfinished]], latency: LatencyModel, max_batch_size: int,
+               threshold: float = 0.25, recent: Sequence[float] = (),
+               receivers: Collection[str] | None = None) -> list[Move]:
+    """One rebalancing check over every instance's unfinished requests (module docstring).
+
+    ``recent``: recent output lengths, sorted (``remaining_estimate``'s overshoot). ``receivers``:
+    the instances that may take requests (None: any with free slots; the simulator passes the one
+    whose event it handles). Returns the moves to apply; the caller stops each at its source and
+    starts it at its destination."""
+    counts = {name: len(reqs) for name, reqs in instances.items()}
+    if not has_free_slots(counts, max_batch_size):
+        return []
+    unfinished: dict[str, list[tuple[str, float]]] = {}
+    movable: dict[str, list[str]] = {}
+    for name, reqs in instances.items():
+        unfinished[name], movable[name] = [], []
+        for u in reqs:
+            left = remaining_estimate(u.predicted, u.generated, u.budget, recent)
+            unfinished[name].append((u.request_id, left))
+            if u.may_move and (not u.started or left >= MIN_MOVE_TOKENS):
+                movable[name].append(u.request_id)
+    times = [remaining_time_s([x for _, x in reqs], latency, max_batch_size) for reqs in unfinished.values()]
+    if max(times) - min(times) <= threshold * max(times):
+        return []
+    room = {name: max(0, max_batch_size - n) if receivers is None or name in receivers else 0
+            for name, n in counts.items()}  # work stealing: what moves starts at once
+    return plan_moves(unfinished, movable, latency, max_batch_size, threshold, room=room)

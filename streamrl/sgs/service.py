@@ -73,7 +73,7 @@ from streamrl.config import Config
 from streamrl.policies.dispatch import make_dispatch_policy
 from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
 from streamrl.policies.order import make_order_policy
-from streamrl.policies.rebalance import plan_moves, remaining_estimate, remaining_time_s
+from streamrl.policies.rebalance import Unfinished, has_free_slots, plan_round
 from streamrl.ranker.online import OnlineRanker, batch_rank_metrics
 from streamrl.sgs.instance import GenerationInstance
 from streamrl.types import Completion, GenRequest, Partial
@@ -82,7 +82,6 @@ log = logging.getLogger(__name__)
 
 NEEDS_LENGTHS = ("skewness-aware", "skewness-search", "least-loaded")
 RESUME_PRIORITY = 1e30  # a resumed request is admitted before everything queued at its new instance
-MIN_MOVE_TOKENS = 8  # a running request predicted to finish within this many tokens is not moved
 
 
 def make_online_ranker(cfg: Config) -> OnlineRanker | None:
@@ -374,43 +373,32 @@ class StreamGenerationService:
         counts = {n: 0 for n in self.instances}
         for name, _ in self.assigned.values():
             counts[name] += 1
-        if min(counts.values()) >= cap or max(counts.values()) < 2:
-            return 0  # every instance has a full batch of work, or there is nothing to split
+        if not has_free_slots(counts, cap):
+            return 0  # every instance has a full batch of work, or there is nothing to split: no Ray call
         names = list(self.instances)
         missing = [n for n in names if n not in self._progress]  # not polled yet since it got work
         for n, st in zip(missing, ray.get([self.instances[n].progress.remote() for n in missing])):
             self._progress[n] = st
-        unfinished, movable = self._remaining({n: self._progress[n] for n in names})
-        times = {n: remaining_time_s([x for _, x in reqs], self.latency, cap) for n, reqs in unfinished.items()}
-        t_max, t_min = max(times.values()), min(times.values())
-        if t_max - t_min <= self.rebalance_threshold * t_max:
-            return 0
-        room = {n: max(0, cap - counts[n]) for n in names}  # work stealing: what moves starts at once
-        moves = plan_moves(unfinished, movable, self.latency, cap, self.rebalance_threshold, room=room)
+        moves = plan_round(self._unfinished({n: self._progress[n] for n in names}), self.latency, cap,
+                           self.rebalance_threshold, sorted(self._recent))
         return self._apply_moves(moves) if moves else 0
 
-    def _remaining(self, states: dict[str, dict]) -> tuple[dict[str, list[tuple[str, float]]], dict[str, list[str]]]:
-        """Per instance: (request_id, predicted remaining length) of its unfinished requests, and
-        the ids that may move (not started; running where the engine preempts, once each)."""
-        recent = sorted(self._recent)
-        unfinished: dict[str, list[tuple[str, float]]] = {name: [] for name in self.instances}
-        movable: dict[str, list[str]] = {name: [] for name in self.instances}
+    def _unfinished(self, states: dict[str, dict]) -> dict[str, list[Unfinished]]:
+        """Per instance, its unfinished requests as ``plan_round`` reads them: progress from the
+        instances' states; movable if not started (held here, or queued in an engine that preempts),
+        or running on an engine that preempts, with ``rebalance_running``, and not moved before."""
+        out: dict[str, list[Unfinished]] = {name: [] for name in self.instances}
         sets = {n: (set(st["held"]), set(st["waiting"]), st["running"], st["preempt"]) for n, st in states.items()}
         for rid, (name, req) in self.assigned.items():
             held, waiting, running, can_preempt = sets[name]
             prefix = self._prefix.get(rid)
-            budget = (prefix[0] if prefix else req).max_new_tokens
-            generated = len(prefix[1]) if prefix else 0
-            if rid in running:
-                generated += running[rid]
-            left = remaining_estimate(self.predicted.get(rid, 1.0), generated, budget, recent)
-            unfinished[name].append((rid, left))
-            if rid in held or (rid in waiting and can_preempt):
-                movable[name].append(rid)
-            elif (rid in running and can_preempt and self.rebalance_running and rid not in self._moved_running
-                  and left >= MIN_MOVE_TOKENS):
-                movable[name].append(rid)
-        return unfinished, movable
+            generated = (len(prefix[1]) if prefix else 0) + running.get(rid, 0)
+            started = rid in running
+            may_move = (rid in held or (rid in waiting and can_preempt)
+                        or (started and can_preempt and self.rebalance_running and rid not in self._moved_running))
+            out[name].append(Unfinished(rid, self.predicted.get(rid, 1.0), generated,
+                                        (prefix[0] if prefix else req).max_new_tokens, started, may_move))
+        return out
 
     def _apply_moves(self, moves) -> int:
         """Preempt each move's request at its source and re-submit it (or its continuation) at its destination."""

@@ -15,9 +15,15 @@ first of: a running request finishes, or the KV cache fills. When it fills, the 
 admitted request is preempted (vLLM's recompute policy: it returns to the head of the queue and
 its prompt plus generated tokens are prefilled again on re-admission).
 
-``rebalance=True`` (beyond the paper; after Seer's critique of atomic dispatch) lets an instance
-with free batch slots and an empty queue take the head of the longest other queue: queued requests
-are not started yet, so moving them costs nothing.
+Rebalancing (beyond the paper; after Seer's critique of atomic dispatch; ``rebalance``) runs the
+live SGS's check, ``policies.rebalance.plan_round``, whenever an instance with free batch slots has
+an empty queue: that instance takes the requests the check moves to it, queued ones on other
+instances (they have not started, so moving them costs nothing). What the check reads is what the
+SGS would read: the *predicted* lengths (``predicted``; the true ones if none are given), each
+running request's progress (interpolated within its instance's current span of decode steps),
+``remaining_estimate``'s overshoot from the ``recent`` lengths. Two things the live SGS does are
+left out: moving running requests (stop, resume elsewhere from the prefix) and moves into an
+instance other than the one whose event is handled.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from streamrl.policies.latency import LatencyModel
+
 
 class DecodeCost(Protocol):
     max_batch: int
@@ -40,6 +48,21 @@ class DecodeCost(Protocol):
     def step_s(self, batch: int, context_tokens: float) -> float: ...
 
     def prefill_s(self, tokens: float) -> float: ...
+
+    def latency_model(self, mean_context: float) -> LatencyModel: ...
+
+
+@dataclass(frozen=True)
+class Rebalancing:
+    """What the simulated SGS's rebalancing check reads (see the module docstring)."""
+
+    latency: LatencyModel
+    """The latency model of the check (the live SGS: the instances' PTL profile)."""
+    threshold: float = 0.25
+    recent: Sequence[float] = ()
+    """Recent output lengths (``remaining_estimate``'s overshoot for requests past their prediction)."""
+    max_new_tokens: int | None = None
+    """The requests' token budget; None: the batch's longest output."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +94,17 @@ class _Instance:
         self.ctx_const = 0.0  # context sum = ctx_const + B * step
         self.pending_preempt = False
         self.last_t = 0.0
+        self.span = (0.0, 0, 0.0, 0)  # the decode steps under way: (start time, start step, seconds, steps)
 
     def context(self) -> float:
         return self.ctx_const + len(self.finish_step) * self.step
+
+    def steps_done_at(self, t: float) -> float:
+        """Decode steps this instance has done by time ``t`` (within its current span, linearly)."""
+        t0, step0, dt, k = self.span
+        if dt <= 0 or t >= t0 + dt:
+            return float(step0 + k)
+        return step0 + k * max(0.0, t - t0) / dt
 
 
 class _Pool:
@@ -83,6 +114,28 @@ class _Pool:
         self.where = np.full(len(out), -1)
         self.preemptions = 0
         self.steals = 0
+        self.rebalancing: Rebalancing | None = None
+        self.predicted, self.budget, self.recent = out, 0, []
+
+    def steal_into(self, inst: _Instance, insts: list[_Instance], t: float) -> None:
+        """The SGS's rebalancing check at ``t``, with ``inst`` (free slots, empty queue) the taker."""
+        from streamrl.policies.rebalance import Unfinished, plan_round
+
+        state: dict[str, list[Unfinished]] = {}
+        for o in insts:
+            done = o.steps_done_at(t)
+            state[str(o.idx)] = (
+                [Unfinished(str(r), float(self.predicted[r]), int(self.gen0[r] + done - o.adm_step[r]), self.budget,
+                            True, False) for r in o.finish_step]
+                + [Unfinished(str(r), float(self.predicted[r]), int(self.gen0[r]), self.budget, False, True)
+                   for r in o.queue])
+        rb = self.rebalancing
+        moves = plan_round(state, rb.latency, inst.cost.max_batch, rb.threshold, self.recent, receivers={str(inst.idx)})
+        for m in moves:
+            rid = int(m.request_id)
+            insts[int(m.src)].queue.remove(rid)
+            inst.queue.append(rid)
+            self.steals += 1
 
     def admit(self, inst: _Instance, rid: int) -> float:
         s = inst.step
@@ -115,16 +168,28 @@ def simulate_generation(
     assignment: Sequence[int],
     queues_order: Sequence[Sequence[int]],
     costs: Sequence[DecodeCost],
-    rebalance: bool = False,
+    rebalance: Rebalancing | bool = False,
+    predicted: Sequence[float] | None = None,
 ) -> GenResult:
     """Run one generation call to completion.
 
     ``queues_order[i]`` lists the request ids of instance ``i`` in admission order (already
     ordered by the order policy); ``assignment`` is only used for checking. ``costs[i]`` is
-    instance ``i``'s cost model.
+    instance ``i``'s cost model. ``rebalance``: the check's settings, or True for the defaults
+    with instance 0's latency model at the mean prompt length; ``predicted``: the lengths it
+    believes (default: the true ones).
     """
     n = len(out_lens)
     pool = _Pool(np.asarray(prompt_lens, float), np.maximum(np.asarray(out_lens, float), 1), np.zeros(n))
+    if rebalance is True:
+        rebalance = Rebalancing(costs[0].latency_model(float(pool.prompt.mean()) if n else 0.0))
+    if rebalance:
+        pool.rebalancing = rebalance
+        pool.predicted = pool.out.copy() if predicted is None else np.asarray(predicted, float)
+        if len(pool.predicted) != n:
+            raise ValueError(f"{len(pool.predicted)} predicted lengths for {n} requests")
+        pool.budget = int(rebalance.max_new_tokens or pool.out.max(initial=1))
+        pool.recent = sorted(float(x) for x in rebalance.recent)
     if sum(len(q) for q in queues_order) != n:
         raise ValueError(f"queues hold {sum(len(q) for q in queues_order)} requests, batch has {n}")
     for i, q in enumerate(queues_order):
@@ -134,15 +199,15 @@ def simulate_generation(
     insts = [_Instance(i, c, q) for i, c, q in zip(range(len(costs)), costs, queues_order)]
     events: list[tuple[float, int]] = []
     for inst in insts:
-        _advance(pool, inst, insts, 0.0, events, rebalance)
+        _advance(pool, inst, insts, 0.0, events)
     while events:
         t, i = heapq.heappop(events)
-        _advance(pool, insts[i], insts, t, events, rebalance)
+        _advance(pool, insts[i], insts, t, events)
     busy = np.array([inst.last_t for inst in insts])
     return GenResult(pool.finish, pool.where, busy, pool.preemptions, pool.steals)
 
 
-def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, events: list, rebalance: bool) -> None:
+def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, events: list) -> None:
     """Handle an instance's event at time ``t``: finish, preempt, admit, schedule the next one."""
     while inst.heap and inst.heap[0][0] <= inst.step:
         fs, rid = heapq.heappop(inst.heap)
@@ -155,12 +220,9 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
         pool.preempt(inst)
     inst.pending_preempt = False
     prefill = 0.0
+    if pool.rebalancing is not None and not inst.queue and len(inst.finish_step) < inst.cost.max_batch:
+        pool.steal_into(inst, insts, t)
     while len(inst.finish_step) < inst.cost.max_batch:
-        if not inst.queue and rebalance:
-            victim = max(insts, key=lambda o: len(o.queue))
-            if victim.queue:
-                inst.queue.append(victim.queue.popleft())
-                pool.steals += 1
         if not inst.queue:
             break
         rid = inst.queue[0]
@@ -186,5 +248,6 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
     if k_cap < k and b > 1:
         k, inst.pending_preempt = k_cap, True
     dt = prefill + k * inst.cost.step_s(b, c0 + b * (k - 1) / 2)
+    inst.span = (t, inst.step, dt, k)
     inst.step += k
     heapq.heappush(events, (t + dt, inst.idx))

@@ -30,7 +30,7 @@ import numpy as np
 from streamrl.policies.dispatch import make_dispatch_policy
 from streamrl.policies.order import make_order_policy
 from streamrl.sim import cost as C
-from streamrl.sim.engine import GenResult, simulate_generation
+from streamrl.sim.engine import GenResult, Rebalancing, simulate_generation
 from streamrl.sim.hardware import Gpu, Link, get_gpu, node_link, weight_push_s
 from streamrl.sim.models import ModelShape, get_model
 from streamrl.sim.workload import Batch, Workload
@@ -65,7 +65,7 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("stream-sync", False, "stream", description="dynamic-batch pipelining"),
     SystemSpec("stream-async", False, "async", staleness=1, description="one-step async"),
     SystemSpec("stream-async-s2", False, "async", staleness=2, description="beyond paper: staleness 2"),
-    SystemSpec("stream-async-rebal", False, "async", staleness=1, rebalance=True, description="beyond paper: queue rebalancing"),
+    SystemSpec("stream-async-rebal", False, "async", staleness=1, rebalance=True, description="beyond paper: rebalancing of queued requests (policies.rebalance)"),
 )}
 
 
@@ -120,8 +120,8 @@ def generate(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarra
     cost = dep.decode_cost(spec)
     n_inst = dep.instances
     kwargs: dict[str, Any] = {}
+    mean_ctx = float(batch.prompt_lens.mean() + history.mean() / 2)
     if spec.dispatch == "skewness-aware":
-        mean_ctx = float(batch.prompt_lens.mean() + history.mean() / 2)
         kwargs = {"latency": cost.latency_model(mean_ctx), "max_batch_size": cost.max_batch, "history": history}
     elif spec.dispatch == "random":
         kwargs = {"seed": seed}
@@ -131,7 +131,9 @@ def generate(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarra
     for rid, inst in enumerate(assign):
         per_inst[inst].append(rid)
     queues = [[ids[j] for j in order.order([batch.predicted[r] for r in ids])] for ids in per_inst]
-    return simulate_generation(batch.prompt_lens, batch.out_lens, assign, queues, [cost] * n_inst, spec.rebalance)
+    rebalance = Rebalancing(cost.latency_model(mean_ctx), recent=history) if spec.rebalance else False
+    return simulate_generation(batch.prompt_lens, batch.out_lens, assign, queues, [cost] * n_inst, rebalance,
+                               predicted=batch.predicted)
 
 
 def stream_train(finish: np.ndarray, seq_s: np.ndarray, free_at: float, min_batch_s: float) -> float:
