@@ -50,20 +50,48 @@ def test_two_instances_lpt_order_shortens_makespan():
 
 
 def test_rebalancing_runs_the_live_check_on_predicted_lengths():
-    """The simulated SGS steals with ``policies.rebalance.plan_round``: the queued request whose
-    move most shortens the *predicted* makespan, not the head of the queue. Instance 0 runs r0
-    (100 tokens) with qa (10) then qb (60) queued; instance 1 runs r1 (20), batch 1, 10 ms/token."""
-    lens, queues = [100, 10, 60, 20], [[0, 1, 2], [3]]
-    assign = [0, 0, 0, 1]
+    """The simulated SGS steals with ``policies.rebalance.plan_round``: the request whose move most
+    shortens the *predicted* makespan, not the head of the queue. Instance 0 runs r0 (100 tokens)
+    with qa (10) then qb (60) queued; instance 1 runs r1 (20); batch 1, 10 ms/token."""
+    from streamrl.sim.engine import Rebalancing
+
+    lens, queues, assign = [100, 10, 60, 20], [[0, 1, 2], [3]], [0, 0, 0, 1]
+    queued_only = Rebalancing(FLAT, running=False)
+
+    def sim(rebalance, predicted=None):
+        return simulate_generation([0] * 4, lens, assign, queues, [flat_cost(max_batch=1)] * 2, rebalance, predicted)
+
     # At 0.2 s instance 1 idles; r0 has 80 tokens left. Moving qb leaves max(0.9, 0.6), qa max(1.4, 0.1).
-    oracle = simulate_generation([0] * 4, lens, assign, queues, [flat_cost(max_batch=1)] * 2, rebalance=True)
+    oracle = sim(queued_only)
     assert oracle.instance.tolist() == [0, 1, 1, 1] and oracle.steals == 2
     assert oracle.finish_s[2] == pytest.approx(0.8) and oracle.finish_s[1] == pytest.approx(0.9)  # qb, then qa
     # Believing qa is the long one, it takes qa first (it finishes at 0.3), then qb.
-    swapped = simulate_generation([0] * 4, lens, assign, queues, [flat_cost(max_batch=1)] * 2, rebalance=True,
-                                  predicted=[100, 60, 10, 20])
+    swapped = sim(queued_only, predicted=[100, 60, 10, 20])
     assert swapped.finish_s[1] == pytest.approx(0.3) and swapped.finish_s[2] == pytest.approx(0.9)
     assert swapped.makespan_s == pytest.approx(1.0) and oracle.makespan_s == pytest.approx(1.0)
+    # Running requests may move too (the default): r0 itself goes, with its 20 tokens, since
+    # max(0.7, 0.8) beats qb's max(0.9, 0.6); instance 0 goes on with qa, then qb.
+    running = sim(True)
+    assert running.instance.tolist() == [1, 0, 0, 1] and running.steals == 1
+    assert running.finish_s.tolist() == pytest.approx([1.0, 0.3, 0.9, 0.2])
+
+
+def test_a_running_request_moved_by_rebalancing_finishes_once_with_its_prefix_counted():
+    """Instance 0 holds two long requests in a batch of 2 while instance 1 has a short one; when
+    instance 1 idles it takes one running request, which continues from where it stopped (its
+    tokens so far count), and instance 0 goes on alone from that step. A step costs 5 ms alone
+    and 10 ms for two: PTL(1) < PTL(2) is what makes the move pay."""
+    steep = C.ProfiledDecode(LatencyModel(((1, 5.0), (2, 10.0))), kv_capacity_tokens=1 << 40, max_batch=2)
+    lens, queues, assign = [300, 300, 50], [[0, 1], [2]], [0, 0, 1]
+    plain = simulate_generation([0] * 3, lens, assign, queues, [steep] * 2)
+    moved = simulate_generation([0] * 3, lens, assign, queues, [steep] * 2, rebalance=True)
+    assert plain.makespan_s == pytest.approx(3.0) and plain.steals == 0  # 300 steps of two at 10 ms
+    # At 0.25 s instance 1 is done (50 x 5 ms) and the two long ones have 275 tokens left each:
+    # one moves, and both finish their 275 alone at 5 ms: 0.25 + 1.375 s.
+    assert moved.steals == 1 and sorted(moved.instance.tolist()) == [0, 1, 1]
+    assert moved.finish_s.tolist() == pytest.approx([1.625, 1.625, 0.25])
+    # on the FLAT curve (10 ms at any batch size) the move gains nothing, so nothing moves
+    assert run(lens, queues, flat_cost(max_batch=2), rebalance=True).steals == 0
 
 
 def test_kv_cache_full_preempts_newest_and_recomputes():

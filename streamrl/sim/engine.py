@@ -18,12 +18,16 @@ its prompt plus generated tokens are prefilled again on re-admission).
 Rebalancing (beyond the paper; after Seer's critique of atomic dispatch; ``rebalance``) runs the
 live SGS's check, ``policies.rebalance.plan_round``, whenever an instance with free batch slots has
 an empty queue: that instance takes the requests the check moves to it, queued ones on other
-instances (they have not started, so moving them costs nothing). What the check reads is what the
-SGS would read: the *predicted* lengths (``predicted``; the true ones if none are given), each
-running request's progress (interpolated within its instance's current span of decode steps),
-``remaining_estimate``'s overshoot from the ``recent`` lengths. Two things the live SGS does are
-left out: moving running requests (stop, resume elsewhere from the prefix) and moves into an
-instance other than the one whose event is handled.
+instances (they have not started, so moving them costs nothing) and, with ``Rebalancing.running``
+(the live default), running ones, each at most once: the source stops it at the decode step in
+progress, its generated tokens go with it (``gen0``) and the taker prefills prompt + prefix, as
+the SGS's continuation does. The source then continues from that step at the check's time (its
+span of decode steps is cut; it loses less than one step). What the check reads is what the SGS
+would read: the *predicted* lengths (``predicted``; the true ones if none are given), each running
+request's progress (interpolated within its instance's span), ``remaining_estimate``'s overshoot
+from the ``recent`` lengths. Left out: moves into an instance other than the one whose event is
+handled (the SGS checks on a timer, here on events). Events carry a sequence number; cutting a
+span makes the instance's pending event stale.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class Rebalancing:
     """Recent output lengths (``remaining_estimate``'s overshoot for requests past their prediction)."""
     max_new_tokens: int | None = None
     """The requests' token budget; None: the batch's longest output."""
+    running: bool = True
+    """Running requests may move too (``generation.rebalance_running``)."""
 
 
 @dataclass(frozen=True)
@@ -94,17 +100,18 @@ class _Instance:
         self.ctx_const = 0.0  # context sum = ctx_const + B * step
         self.pending_preempt = False
         self.last_t = 0.0
-        self.span = (0.0, 0, 0.0, 0)  # the decode steps under way: (start time, start step, seconds, steps)
+        self.span = (0.0, 0, 0.0, 0, 0.0)  # decode steps under way: (start time, start step, seconds, steps, prefill s)
+        self.event = -1  # sequence number of its pending event (older ones are stale)
 
     def context(self) -> float:
         return self.ctx_const + len(self.finish_step) * self.step
 
     def steps_done_at(self, t: float) -> float:
-        """Decode steps this instance has done by time ``t`` (within its current span, linearly)."""
-        t0, step0, dt, k = self.span
+        """Decode steps this instance has done by time ``t`` (its span's prefill first, then steps)."""
+        t0, step0, dt, k, prefill = self.span
         if dt <= 0 or t >= t0 + dt:
             return float(step0 + k)
-        return step0 + k * max(0.0, t - t0) / dt
+        return step0 + k * max(0.0, t - t0 - prefill) / (dt - prefill)
 
 
 class _Pool:
@@ -116,26 +123,40 @@ class _Pool:
         self.steals = 0
         self.rebalancing: Rebalancing | None = None
         self.predicted, self.budget, self.recent = out, 0, []
+        self.moved_running: set[int] = set()
+        self.seq = 0  # event sequence numbers
 
-    def steal_into(self, inst: _Instance, insts: list[_Instance], t: float) -> None:
-        """The SGS's rebalancing check at ``t``, with ``inst`` (free slots, empty queue) the taker."""
+    def steal_into(self, inst: _Instance, insts: list[_Instance], t: float) -> list[_Instance]:
+        """The SGS's rebalancing check at ``t``, with ``inst`` (free slots, empty queue) the taker;
+        returns the instances whose span was cut (they must be advanced again from ``t``)."""
         from streamrl.policies.rebalance import Unfinished, plan_round
 
+        rb = self.rebalancing
         state: dict[str, list[Unfinished]] = {}
         for o in insts:
-            done = o.steps_done_at(t)
+            done = int(o.steps_done_at(t))
             state[str(o.idx)] = (
                 [Unfinished(str(r), float(self.predicted[r]), int(self.gen0[r] + done - o.adm_step[r]), self.budget,
-                            True, False) for r in o.finish_step]
+                            True, rb.running and r not in self.moved_running) for r in o.finish_step]
                 + [Unfinished(str(r), float(self.predicted[r]), int(self.gen0[r]), self.budget, False, True)
                    for r in o.queue])
-        rb = self.rebalancing
         moves = plan_round(state, rb.latency, inst.cost.max_batch, rb.threshold, self.recent, receivers={str(inst.idx)})
+        cut: dict[int, _Instance] = {}
         for m in moves:
-            rid = int(m.request_id)
-            insts[int(m.src)].queue.remove(rid)
+            rid, src = int(m.request_id), insts[int(m.src)]
+            if rid in src.finish_step:  # running: stop it at the step in progress, its prefix goes along
+                if src.idx not in cut:
+                    src.step, src.pending_preempt, src.event = int(src.steps_done_at(t)), False, -1
+                    cut[src.idx] = src
+                generated = src.step - src.adm_step[rid]
+                self.remove(src, rid)
+                self.gen0[rid] += generated
+                self.moved_running.add(rid)
+            else:
+                src.queue.remove(rid)
             inst.queue.append(rid)
             self.steals += 1
+        return list(cut.values())
 
     def admit(self, inst: _Instance, rid: int) -> float:
         s = inst.step
@@ -197,17 +218,18 @@ def simulate_generation(
             if assignment[rid] != i:
                 raise ValueError(f"request {rid} queued on instance {i} but assigned to {assignment[rid]}")
     insts = [_Instance(i, c, q) for i, c, q in zip(range(len(costs)), costs, queues_order)]
-    events: list[tuple[float, int]] = []
+    events: list[tuple[float, int, int]] = []  # (time, sequence number, instance)
     for inst in insts:
         _advance(pool, inst, insts, 0.0, events)
     while events:
-        t, i = heapq.heappop(events)
-        _advance(pool, insts[i], insts, t, events)
+        t, seq, i = heapq.heappop(events)
+        if seq == insts[i].event:  # else stale: a rebalancing check cut that span
+            _advance(pool, insts[i], insts, t, events)
     busy = np.array([inst.last_t for inst in insts])
     return GenResult(pool.finish, pool.where, busy, pool.preemptions, pool.steals)
 
 
-def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, events: list) -> None:
+def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, events: list, check: bool = True) -> None:
     """Handle an instance's event at time ``t``: finish, preempt, admit, schedule the next one."""
     while inst.heap and inst.heap[0][0] <= inst.step:
         fs, rid = heapq.heappop(inst.heap)
@@ -220,8 +242,9 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
         pool.preempt(inst)
     inst.pending_preempt = False
     prefill = 0.0
-    if pool.rebalancing is not None and not inst.queue and len(inst.finish_step) < inst.cost.max_batch:
-        pool.steal_into(inst, insts, t)
+    if check and pool.rebalancing is not None and not inst.queue and len(inst.finish_step) < inst.cost.max_batch:
+        for src in pool.steal_into(inst, insts, t):
+            _advance(pool, src, insts, t, events, check=False)  # from the step it was stopped at
     while len(inst.finish_step) < inst.cost.max_batch:
         if not inst.queue:
             break
@@ -248,6 +271,8 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
     if k_cap < k and b > 1:
         k, inst.pending_preempt = k_cap, True
     dt = prefill + k * inst.cost.step_s(b, c0 + b * (k - 1) / 2)
-    inst.span = (t, inst.step, dt, k)
+    inst.span = (t, inst.step, dt, k, prefill)
     inst.step += k
-    heapq.heappush(events, (t + dt, inst.idx))
+    pool.seq += 1
+    inst.event = pool.seq
+    heapq.heappush(events, (t + dt, pool.seq, inst.idx))
