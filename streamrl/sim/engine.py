@@ -137,7 +137,8 @@ class _Pool:
             done = int(o.steps_done_at(t))
             state[str(o.idx)] = (
                 [Unfinished(str(r), float(self.predicted[r]), int(self.gen0[r] + done - o.adm_step[r]), self.budget,
-                            True, rb.running and r not in self.moved_running) for r in o.finish_step]
+                            True, rb.running and r not in self.moved_running and fs > done)  # not finishing now
+                 for r, fs in o.finish_step.items()]
                 + [Unfinished(str(r), float(self.predicted[r]), int(self.gen0[r]), self.budget, False, True)
                    for r in o.queue])
         moves = plan_round(state, rb.latency, inst.cost.max_batch, rb.threshold, self.recent, receivers={str(inst.idx)})
