@@ -40,8 +40,9 @@ past its prediction gets the recent lengths' median overshoot). It acts only whe
 has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
 under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
 by more than ``generation.rebalance_threshold`` of the largest. ``plan_moves`` then picks moves,
-at most as many into an instance as it has free slots (work stealing: what moves starts at once);
-the source ``preempt``s them and the service re-submits each to its destination:
+at most as many into an instance as it has free slots (work stealing: what moves starts at once).
+That check is ``policies.rebalance.plan_round``, the one the simulator runs too. The source
+``preempt``s them and the service re-submits each to its destination:
 - not started (held or queued): moved as it is;
 - running (``generation.rebalance_running``, engines that can preempt; each request at most
   once): the engine stops it between two decode steps and returns its prefix (tokens and
