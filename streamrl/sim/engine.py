@@ -41,6 +41,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from streamrl.policies.latency import LatencyModel
+from streamrl.policies.rebalance import Unfinished, plan_round
 
 
 class DecodeCost(Protocol):
@@ -129,8 +130,6 @@ class _Pool:
     def steal_into(self, inst: _Instance, insts: list[_Instance], t: float) -> list[_Instance]:
         """The SGS's rebalancing check at ``t``, with ``inst`` (free slots, empty queue) the taker;
         returns the instances whose span was cut (they must be advanced again from ``t``)."""
-        from streamrl.policies.rebalance import Unfinished, plan_round
-
         rb = self.rebalancing
         state: dict[str, list[Unfinished]] = {}
         for o in insts:

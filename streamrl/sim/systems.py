@@ -65,7 +65,7 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("stream-sync", False, "stream", description="dynamic-batch pipelining"),
     SystemSpec("stream-async", False, "async", staleness=1, description="one-step async"),
     SystemSpec("stream-async-s2", False, "async", staleness=2, description="beyond paper: staleness 2"),
-    SystemSpec("stream-async-rebal", False, "async", staleness=1, rebalance=True, description="beyond paper: rebalancing of queued requests (policies.rebalance)"),
+    SystemSpec("stream-async-rebal", False, "async", staleness=1, rebalance=True, description="beyond paper: runtime rebalancing, queued and running requests (policies.rebalance)"),
 )}
 
 

@@ -326,9 +326,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                 seq = self._waiting_ids.pop(request_id)
                 return Partial(next(r for _, s, _, r in self._waiting if s == seq))
             vllm_id = self._vllm_id_of.get(request_id)
-            if vllm_id is None:
-                return None
-            if not running:
+            if vllm_id is None or not running:  # unknown or finished; or in flight while only queued ones may go
                 return None
             req, t_start, v_start, tokens, logprobs = self._inflight[vllm_id]
             del self._inflight[vllm_id], self._vllm_id_of[request_id]
