@@ -62,3 +62,29 @@ def test_history_policy_lengths_reach_the_ranker_for_every_batch_prompt(ray_sess
     assert res["ranker_scores"] == pytest.approx(hist)  # one remembered length per prompt is its score
     assert res["ranker"]["history_policy"] == tiny_policy_dir and "spearman" in res["ranker"]["history_alone"]
     assert [r["config"] for r in res["rows"]] == ["random+fifo", "skew+ranker"]
+
+
+def test_batches_are_disjoint_and_the_table_is_the_mean_of_each_batchs_ratios(ray_session, tiny_policy_dir):
+    """``batches=2``: two disjoint batches, each recorded and run; every aggregate ratio and check is the
+    mean over batches of that batch's own ratio."""
+    from streamrl.bench.scheduling import CONFIGS, bench_scheduling
+
+    cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "generation.max_new_tokens=24", "task.num_train=64",
+                             "cluster.num_cpus=2"])
+    configs = tuple(c for c in CONFIGS if c.name in ("random+fifo", "skew+oracle", "skew+oracle+rebalance"))
+    res = bench_scheduling(cfg, prompts=8, instances=2, batch=2, repeats=1, ranker="learned", ranker_prompts=16,
+                           profile="profiles/cpu-tiny.json", configs=configs, batches=2, echo=lambda *_: None)
+    pbs = res["per_batch"]
+    assert [pb["batch"] for pb in pbs] == [0, 1] and res["setup"]["batches"] == 2
+    assert len(res["recorded_lengths"]["batch"]) == 16  # 2 x 8 distinct prompts, every one recorded
+    assert not set(res["recorded_lengths"]["batch"]) & set(res["recorded_lengths"]["ranker_data"])
+    assert set(res["ranker_scores"]) == set(res["recorded_lengths"]["batch"])
+    for row in res["rows"]:
+        per = [next(r for r in pb["rows"] if r["config"] == row["config"]) for pb in pbs]
+        assert row["vs_random_fifo_by_batch"] == [r["vs_random_fifo"] for r in per]
+        assert row["vs_random_fifo"] == pytest.approx(sum(r["vs_random_fifo"] for r in per) / 2)
+        assert all(run["tokens"] > 0 for r in per for run in r["runs"])  # every run returned its batch
+    check = next(c for c in res["checks"] if c["check"].startswith("skew+oracle+rebalance <= skew+oracle (wall)"))
+    by = [{r["config"]: r for r in pb["rows"]} for pb in pbs]
+    assert check["by_batch"] == pytest.approx([b["skew+oracle+rebalance"]["makespan_s"] / b["skew+oracle"]["makespan_s"] for b in by])
+    assert check["value"] == pytest.approx(sum(check["by_batch"]) / 2)

@@ -68,6 +68,16 @@ holds. A decode step here costs about PTL(B) (3.0-3.7 ms at B=1, 4.3-4.9 at 16) 
 context token held, so a request alone is barely faster than in a full batch: the paper's lever
 (PTL(1) = 8.4 vs PTL(512) = 36.9 ms on an H800) is weak on this machine.
 
+Several batches (``batches``). One batch's ratios depend on the prompts it drew: on the RL-trained
+policy about 1 % of prompts make greedy decoding loop to ``max_new_tokens``, mostly short chains
+the ranker predicts short, so a batch holding one such prompt that the ranker misses ends when
+that request, admitted late by LPT, does (``recorded_lengths``/``ranker_scores`` of the result
+show which). With ``batches=N`` the bench draws N disjoint batches of ``prompts`` (the ranker's
+other prompts are disjoint from all of them; it is fitted once), records and runs each in turn,
+and reports every batch's table (``per_batch``) and their mean: each aggregate ratio and check is
+the mean over batches of that batch's ratio, formed within the batch (its configurations ran on
+the same prompts).
+
 CPU makespan. Beside the wall makespan, each run records the CPU seconds each instance's process
 used during the run; ``cpu_makespan_s`` is the largest. An instance is busy from the submit to its
 last completion and idle after it, so this is the makespan the same schedule would have with one
@@ -204,21 +214,20 @@ def _record_history(cfg: Config, history_policy: str, builder, batch_prompts, in
 
 def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch: int = 16, repeats: int = 8,
                      ranker: str = "learned", ranker_prompts: int | None = 2048, profile: str | None = None,
-                     configs=CONFIGS, history_policy: str | None = None, echo=print) -> dict:
+                     configs=CONFIGS, history_policy: str | None = None, batches: int = 1, echo=print) -> dict:
     from streamrl.controller.common import RequestBuilder, make_task
     from streamrl.controller.driver import ensure_policy, init_ray
     from streamrl.models.tiny import load_policy
     from streamrl.policies.latency import latency_to_dict, load_profile
     from streamrl.ranker.base import make_ranker
-    from streamrl.ranker.metrics import rank_metrics
     from streamrl.sgs.service import StreamGenerationService
 
     if instances < 2:
         raise ValueError(f"instances={instances}: the scheduling bench needs >= 2 generation instances")
     if prompts < 2 * instances:
         raise ValueError(f"prompts={prompts}: need at least 2 per instance ({2 * instances})")
-    if batch < 1 or repeats < 1:
-        raise ValueError(f"batch={batch} and repeats={repeats} must be >= 1")
+    if batch < 1 or repeats < 1 or batches < 1:
+        raise ValueError(f"batch={batch}, repeats={repeats} and batches={batches} must be >= 1")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; known: {[c.name for c in CONFIGS]}")
@@ -229,28 +238,31 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     ensure_policy(cfg, echo)
     task = make_task(cfg)
     pool = list(task.train_prompts())
-    if len(pool) < prompts + ranker_prompts:
-        raise ValueError(f"the task has {len(pool)} training prompts; need prompts + ranker_prompts = "
-                         f"{prompts + ranker_prompts} (raise task.num_train)")
+    if len(pool) < batches * prompts + ranker_prompts:
+        raise ValueError(f"the task has {len(pool)} training prompts; need batches x prompts + ranker_prompts = "
+                         f"{batches * prompts + ranker_prompts} (raise task.num_train)")
     random.Random(cfg.run.seed).shuffle(pool)
-    batch_prompts, other_prompts = pool[:prompts], pool[prompts:prompts + ranker_prompts]
+    batch_sets = [pool[b * prompts:(b + 1) * prompts] for b in range(batches)]
+    other_prompts = pool[batches * prompts:batches * prompts + ranker_prompts]
+    all_batch_prompts = [p for ps in batch_sets for p in ps]
     _, tok = load_policy(cfg.policy.path)
     builder = RequestBuilder(tok, cfg)
-    prompt_len = float(np.mean([len(r.prompt_ids) for r in builder.build(batch_prompts[:64], 0)]))
+    prompt_len = float(np.mean([len(r.prompt_ids) for r in builder.build(batch_sets[0][:64], 0)]))
     latency = load_profile(profile) if profile else _measure_latency(cfg, batch, round(prompt_len), echo)
 
     init_ray(cfg)
-    hist_len = _record_history(cfg, history_policy, builder, batch_prompts, instances, tok, echo) if history_policy else {}
+    hist_len = (_record_history(cfg, history_policy, builder, all_batch_prompts, instances, tok, echo)
+                if history_policy else {})
     sgs = StreamGenerationService(cfg, ranker=None, engine_overrides={"temperature": 0.0}, hold_back=True)
     sgs.latency = latency  # rebalancing's model: the PTL measured (or read) above
+    per_batch = []
     try:
         for _ in range(instances):
             sgs.add_instance()
         list(sgs.generate(builder.build(other_prompts[: 2 * batch * instances], 0, tag="warmup-")))
-        echo(f"scheduling: recording run ({prompts} prompts, greedy) and ranker data ({ranker_prompts} other prompts)")
+        echo(f"scheduling: ranker data ({ranker_prompts} other prompts, greedy), then {batches} batch(es) of "
+             f"{prompts} prompts")
         sgs.configure("round-robin", "fifo", False)
-        rec = _run(sgs, builder.build(batch_prompts, 0, tag="record-"), None)
-        oracle = {_prompt_key(rid): n for rid, n in rec["lengths"].items()}
         other = _run(sgs, builder.build(other_prompts, 0, tag="rankdata-"), None)
         other_len = {_prompt_key(rid): n for rid, n in other["lengths"].items()}
         text_of = {p.prompt_id: p.text for p in pool}
@@ -258,61 +270,83 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         t_fit = time.perf_counter()
         rk = make_ranker(ranker, policy_path=cfg.policy.path).fit([text_of[k] for k in fit_len], list(fit_len.values()), list(fit_len))
         fit_s = time.perf_counter() - t_fit
-        t_score = time.perf_counter()
-        scores = dict(zip([p.prompt_id for p in batch_prompts],
-                          rk.score([p.text for p in batch_prompts], [p.prompt_id for p in batch_prompts]).tolist()))
-        score_s = time.perf_counter() - t_score
-        true = [oracle[p.prompt_id] for p in batch_prompts]
-        ranker_row = {"ranker": ranker, **rank_metrics(true, [scores[p.prompt_id] for p in batch_prompts]),
-                      "fit_s": fit_s, "score_s": score_s, "train_prompts": len(other_len), "fit_prompts": len(fit_len)}
-        if hist_len:  # how well the earlier checkpoint's lengths alone rank this policy's
-            ranker_row["history_policy"] = history_policy
-            ranker_row["history_alone"] = rank_metrics(true, [hist_len[p.prompt_id] for p in batch_prompts])
-        history = list(other_len.values())
-        bound = lower_bound_s(true, latency, instances, batch, prompt_len)
-
-        runs: dict[str, list[dict]] = {c.name: [] for c in configs}
-        for rep in range(repeats):
-            shift = rep % len(configs)
-            for c in list(configs[shift:]) + list(configs[:shift]):
-                kwargs = {"seed": cfg.run.seed + rep} if c.dispatch == "random" else {
-                    "latency": latency, "max_batch_size": batch, "history": history}
-                if c.dispatch == "skewness-aware":
-                    kwargs["alpha"] = g.skew_alpha
-                if c.dispatch == "skewness-search":
-                    kwargs["prompt_len"] = prompt_len
-                sgs.configure(c.dispatch, c.order, c.rebalance, kwargs)
-                reqs = builder.build(batch_prompts, 0, tag=f"{c.name}-{rep}-")
-                pred = None if c.predictions == "none" else [
-                    float((scores if c.predictions == "ranker" else oracle)[r.prompt_id]) for r in reqs]
-                moved0, running0 = sgs.counters["sgs/rebalanced"], sgs.counters["sgs/rebalanced_running"]
-                load = os.getloadavg()[0]
-                res = _run(sgs, reqs, pred)
-                res["loadavg_1m_before"] = load
-                res["moved"] = sgs.counters["sgs/rebalanced"] - moved0
-                res["moved_running"] = sgs.counters["sgs/rebalanced_running"] - running0
-                res["length_match"] = float(np.mean([res["lengths"][r.request_id] == oracle[r.prompt_id] for r in reqs]))
-                res["tokens"] = sum(res["lengths"].values())
-                del res["lengths"]
-                runs[c.name].append(res)
-                echo(f"  {c.name:24s} rep {rep}: makespan {res['makespan_s']:.2f}s, moved {res['moved']} "
-                     f"({res['moved_running']} running), "
-                     f"length match {res['length_match']:.3f}")
+        fit_info = {"ranker": ranker, "fit_s": fit_s, "train_prompts": len(other_len), "fit_prompts": len(fit_len)}
+        for b, batch_prompts in enumerate(batch_sets):
+            per_batch.append(_bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_policy,
+                                          list(other_len.values()), latency, configs, repeats, instances, batch,
+                                          prompt_len, cfg, b, echo))
     finally:
         sgs.shutdown()
-    result = _summarise(configs, runs, bound, ranker_row, latency_to_dict(latency), rec, dict(
-        prompts=prompts, instances=instances, batch=batch, repeats=repeats, max_new_tokens=g.max_new_tokens,
-        policy=cfg.policy.path, rebalance_threshold=g.rebalance_threshold, skew_alpha=g.skew_alpha,
-        total_tokens=int(sum(true)), mean_len=float(np.mean(true)), p50_len=float(np.percentile(true, 50)),
-        p90_len=float(np.percentile(true, 90)), max_len=int(max(true)), decoding="greedy"))
-    # The greedy lengths themselves (batch and ranker data), so the table can be re-modelled offline.
-    result["recorded_lengths"] = {"batch": {p.prompt_id: oracle[p.prompt_id] for p in batch_prompts},
+    result = _aggregate(configs, per_batch, latency_to_dict(latency), dict(
+        prompts=prompts, batches=batches, instances=instances, batch=batch, repeats=repeats,
+        max_new_tokens=g.max_new_tokens, policy=cfg.policy.path, rebalance_threshold=g.rebalance_threshold,
+        skew_alpha=g.skew_alpha, decoding="greedy"))
+    # The greedy lengths themselves (batches and ranker data), so the table can be re-modelled offline.
+    result["recorded_lengths"] = {"batch": {k: v for pb in per_batch for k, v in pb["recorded_lengths"].items()},
                                   "ranker_data": other_len, "history": hist_len}
-    result["ranker_scores"] = scores
+    result["ranker_scores"] = {k: v for pb in per_batch for k, v in pb.pop("ranker_scores").items()}
+    for pb in per_batch:
+        del pb["recorded_lengths"]
     return result
 
 
-def _summarise(configs, runs, bound, ranker_row, latency, rec, setup) -> dict:
+def _bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_policy, history, latency, configs,
+                 repeats, instances, batch, prompt_len, cfg, index, echo) -> dict:
+    """One batch: its recording run (the oracle lengths), the ranker's scores, and every configuration
+    ``repeats`` times in rotated order; returns ``_summarise``'s dict for the batch."""
+    from streamrl.ranker.metrics import rank_metrics
+
+    g = cfg.generation
+    sgs.configure("round-robin", "fifo", False)
+    rec = _run(sgs, builder.build(batch_prompts, 0, tag=f"record{index}-"), None)
+    oracle = {_prompt_key(rid): n for rid, n in rec["lengths"].items()}
+    t_score = time.perf_counter()
+    scores = dict(zip([p.prompt_id for p in batch_prompts],
+                      rk.score([p.text for p in batch_prompts], [p.prompt_id for p in batch_prompts]).tolist()))
+    score_s = time.perf_counter() - t_score
+    true = [oracle[p.prompt_id] for p in batch_prompts]
+    ranker_row = {**fit_info, **rank_metrics(true, [scores[p.prompt_id] for p in batch_prompts]), "score_s": score_s}
+    if hist_len:  # how well the earlier checkpoint's lengths alone rank this policy's
+        ranker_row["history_policy"] = history_policy
+        ranker_row["history_alone"] = rank_metrics(true, [hist_len[p.prompt_id] for p in batch_prompts])
+    bound = lower_bound_s(true, latency, instances, batch, prompt_len)
+    runs: dict[str, list[dict]] = {c.name: [] for c in configs}
+    for rep in range(repeats):
+        shift = rep % len(configs)
+        for c in list(configs[shift:]) + list(configs[:shift]):
+            kwargs = {"seed": cfg.run.seed + 1000 * index + rep} if c.dispatch == "random" else {
+                "latency": latency, "max_batch_size": batch, "history": history}
+            if c.dispatch == "skewness-aware":
+                kwargs["alpha"] = g.skew_alpha
+            if c.dispatch == "skewness-search":
+                kwargs["prompt_len"] = prompt_len
+            sgs.configure(c.dispatch, c.order, c.rebalance, kwargs)
+            reqs = builder.build(batch_prompts, 0, tag=f"{c.name}-{index}-{rep}-")
+            pred = None if c.predictions == "none" else [
+                float((scores if c.predictions == "ranker" else oracle)[r.prompt_id]) for r in reqs]
+            moved0, running0 = sgs.counters["sgs/rebalanced"], sgs.counters["sgs/rebalanced_running"]
+            load = os.getloadavg()[0]
+            res = _run(sgs, reqs, pred)
+            res["loadavg_1m_before"] = load
+            res["moved"] = sgs.counters["sgs/rebalanced"] - moved0
+            res["moved_running"] = sgs.counters["sgs/rebalanced_running"] - running0
+            res["length_match"] = float(np.mean([res["lengths"][r.request_id] == oracle[r.prompt_id] for r in reqs]))
+            res["tokens"] = sum(res["lengths"].values())
+            del res["lengths"]
+            runs[c.name].append(res)
+            echo(f"  batch {index} {c.name:24s} rep {rep}: makespan {res['makespan_s']:.2f}s, moved {res['moved']} "
+                 f"({res['moved_running']} running), length match {res['length_match']:.3f}")
+    out = _summarise(configs, runs, bound, ranker_row, rec, dict(
+        total_tokens=int(sum(true)), mean_len=float(np.mean(true)), p50_len=float(np.percentile(true, 50)),
+        p90_len=float(np.percentile(true, 90)), max_len=int(max(true))))
+    out["batch"] = index
+    out["recorded_lengths"] = {p.prompt_id: oracle[p.prompt_id] for p in batch_prompts}
+    out["ranker_scores"] = scores
+    return out
+
+
+def _summarise(configs, runs, bound, ranker_row, rec, stats) -> dict:
+    """One batch's table: each configuration's mean makespan over its runs, normalised to random+FIFO."""
     rows = []
     base = np.mean([r["makespan_s"] for r in runs["random+fifo"]]) if runs.get("random+fifo") else float("nan")
     base_cpu = np.mean([r["cpu_makespan_s"] for r in runs["random+fifo"]]) if runs.get("random+fifo") else float("nan")
@@ -329,18 +363,60 @@ def _summarise(configs, runs, bound, ranker_row, latency, rec, setup) -> dict:
                      "moved_running": float(np.mean([r["moved_running"] for r in runs[c.name]])),
                      "length_match": float(np.mean([r["length_match"] for r in runs[c.name]])),
                      "runs": runs[c.name]})
-    by = {r["config"]: r for r in rows}
+    stats["loadavg_1m_mean"] = float(np.mean([r["loadavg_1m_before"] for rs in runs.values() for r in rs]))
+    return {"stats": stats, "rows": rows, "lower_bound": bound, "ranker": ranker_row,
+            "recording_run_s": rec["makespan_s"]}
+
+
+def _checks(configs, per_batch) -> list[dict]:
+    """The issue's targets, each the mean over batches of that batch's ratio (a batch's ratios share its
+    prompts, so they are compared within a batch and only then averaged)."""
+    names = {c.name for c in configs}
+    by = [{r["config"]: r for r in pb["rows"]} for pb in per_batch]
+
+    def ratio(name: str, ref: str, key: str) -> tuple[float, list[float]]:
+        vals = [b[name][key] / b[ref][key] for b in by]
+        return float(np.mean(vals)), vals
+
     checks = []
     for metric, key in (("wall", "makespan_s"), ("cpu", "cpu_makespan_s")):
-        for name, target in TARGETS.items():
-            if name in by and "random+fifo" in by:
-                v = by[name][key] / by["random+fifo"][key]
-                checks.append({"check": f"{name} <= {target} x random+fifo ({metric})", "value": v, "met": bool(v <= target)})
-        for c in configs:
-            if c.rebalance and c.name.replace("+rebalance", "") in by:
-                plain = by[c.name.replace("+rebalance", "")]
-                v = by[c.name][key] / plain[key]
-                checks.append({"check": f"{c.name} <= {plain['config']} ({metric})", "value": v, "met": bool(v <= 1.0)})
-    setup["loadavg_1m_mean"] = float(np.mean([r["loadavg_1m_before"] for rs in runs.values() for r in rs]))
-    return {"setup": setup, "rows": rows, "checks": checks, "lower_bound": bound, "ranker": ranker_row,
-            "latency_profile": latency, "recording_run_s": rec["makespan_s"]}
+        pairs = [(name, "random+fifo", f"{name} <= {target} x random+fifo ({metric})", target)
+                 for name, target in TARGETS.items() if name in names and "random+fifo" in names]
+        pairs += [(c.name, c.name.replace("+rebalance", ""), f"{c.name} <= {c.name.replace('+rebalance', '')} ({metric})", 1.0)
+                  for c in configs if c.rebalance and c.name.replace("+rebalance", "") in names]
+        for name, ref, label, target in pairs:
+            v, vals = ratio(name, ref, key)
+            checks.append({"check": label, "value": v, "met": bool(v <= target), "by_batch": vals})
+    return checks
+
+
+def _aggregate(configs, per_batch, latency, setup) -> dict:
+    """The table over all batches: per configuration, the mean over batches of each batch's numbers
+    (ratios are formed within a batch first); ``per_batch`` keeps every batch's own table."""
+    def mean_of(key: str, rows: list[dict]) -> float:
+        return float(np.mean([r[key] for r in rows]))
+
+    rows = []
+    for c in configs:
+        rs = [next(r for r in pb["rows"] if r["config"] == c.name) for pb in per_batch]
+        row = {k: rs[0][k] for k in ("config", "dispatch", "order", "predictions", "rebalance")}
+        for key in ("makespan_s", "makespan_median_s", "vs_random_fifo", "cpu_makespan_s", "cpu_vs_random_fifo",
+                    "vs_lower_bound", "moved", "moved_running", "length_match"):
+            row[key] = mean_of(key, rs)
+        row["makespan_min_s"] = min(r["makespan_min_s"] for r in rs)
+        row["makespan_max_s"] = max(r["makespan_max_s"] for r in rs)
+        row["vs_random_fifo_by_batch"] = [r["vs_random_fifo"] for r in rs]
+        rows.append(row)
+    stats = [pb["stats"] for pb in per_batch]
+    for key in ("total_tokens", "mean_len", "p50_len", "p90_len", "max_len", "loadavg_1m_mean"):
+        setup[key] = float(np.mean([st[key] for st in stats])) if len(stats) > 1 else stats[0][key]
+    metric_keys = [k for k in per_batch[0]["ranker"] if k.startswith("recall@") or k == "spearman" or k == "score_s"]
+    ranker = {**{k: v for k, v in per_batch[0]["ranker"].items() if k not in metric_keys and k != "history_alone"},
+              **{k: mean_of(k, [pb["ranker"] for pb in per_batch]) for k in metric_keys}}
+    if "history_alone" in per_batch[0]["ranker"]:
+        alone = [pb["ranker"]["history_alone"] for pb in per_batch]
+        ranker["history_alone"] = {k: mean_of(k, alone) for k in alone[0]}
+    bounds = [pb["lower_bound"] for pb in per_batch]
+    return {"setup": setup, "rows": rows, "checks": _checks(configs, per_batch), "ranker": ranker,
+            "lower_bound": {k: mean_of(k, bounds) for k in bounds[0]}, "latency_profile": latency,
+            "recording_run_s": mean_of("recording_run_s", per_batch), "per_batch": per_batch}

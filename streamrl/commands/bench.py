@@ -33,6 +33,10 @@ def register(sub) -> None:
                         "requests queue and admission order matters; see streamrl.bench.scheduling for other regimes)")
     s.add_argument("--repeats", type=int, default=8,
                    help="runs per configuration (8: one run's makespan varies by ~5%% on this machine)")
+    s.add_argument("--batches", type=int, default=1,
+                   help="disjoint batches of --prompts prompts, each recorded and run on its own; the table is "
+                        "the mean over batches of each batch's ratios (1; one batch's ratios depend on which "
+                        "prompts it drew, e.g. whether the ranker misses one that loops to the cap)")
     s.add_argument("--ranker", default="learned", help="ranker fitted on other prompts' lengths (learned)")
     s.add_argument("--ranker-prompts", type=int, default=2048,
                    help="other prompts whose lengths the ranker learns from (2048)")
@@ -98,7 +102,8 @@ def run_scheduling(args) -> int:
         configs = tuple(by_name[n] for n in names)
     result = bench_scheduling(cfg, prompts=args.prompts, instances=args.instances, batch=args.batch,
                               repeats=args.repeats, ranker=args.ranker, ranker_prompts=args.ranker_prompts,
-                              profile=args.profile, configs=configs, history_policy=args.history_policy)
+                              profile=args.profile, configs=configs, history_policy=args.history_policy,
+                              batches=args.batches)
     su, lb = result["setup"], result["lower_bound"]
     fitted = f"{result['ranker']['train_prompts']} other prompts"
     ranker_rows = [result["ranker"]]
@@ -107,7 +112,16 @@ def run_scheduling(args) -> int:
         ranker_rows.append({"ranker": "history policy's lengths alone", **result["ranker"]["history_alone"]})
     print_table(f"ranker ({args.ranker}, fitted on {fitted}) on the batch",
                 ranker_rows, ["ranker", "recall@20%", "recall@10%", "recall@5%", "spearman", "fit_s", "score_s"])
-    print_table(f"bench scheduling: {su['prompts']} prompts (greedy, mean {su['mean_len']:.0f} / p90 {su['p90_len']:.0f} / "
+    if su["batches"] > 1:
+        pbs = result["per_batch"]
+        print_table("per batch: random+fifo makespan and the ranker on the batch",
+                    [{"batch": pb["batch"], "random+fifo_s": next(r["makespan_s"] for r in pb["rows"] if r["config"] == "random+fifo"),
+                      "max_len": pb["stats"]["max_len"], **{k: pb["ranker"][k] for k in ("recall@20%", "recall@10%", "recall@5%", "spearman")}}
+                     for pb in pbs])
+        print_table("wall makespan / random+fifo, per batch and their mean",
+                    [{"config": r["config"], **{f"batch {pb['batch']}": v for pb, v in zip(pbs, r["vs_random_fifo_by_batch"])},
+                      "mean": r["vs_random_fifo"]} for r in result["rows"]])
+    print_table(f"bench scheduling: {su['batches']} x {su['prompts']} prompts (greedy, mean {su['mean_len']:.0f} / p90 {su['p90_len']:.0f} / "
                 f"max {su['max_len']} tokens) on {su['instances']} instances, batch {su['batch']}, {su['repeats']} runs "
                 f"each; lower bound {lb['lower_bound_s']:.2f}s (longest alone {lb['longest_alone_s']:.2f}s, all tokens at "
                 f"peak {lb['all_tokens_at_peak_s']:.2f}s)", result["rows"],
