@@ -233,6 +233,29 @@ def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray
     assert pending == [0, 0] and not sgs.assigned and not sgs._prefix
 
 
+def test_rebalancing_reads_no_progress_while_every_instance_has_a_full_batch(ray_session, tiny_policy_dir):
+    """Progress is only read when a check could act (some instance with free slots); while both
+    instances run a full batch with more queued, polls are plain and nothing is moved."""
+    from streamrl.sgs.service import StreamGenerationService
+    from streamrl.tasks.synthetic import SyntheticTask
+
+    cfg = _cfg(tiny_policy_dir, "generation.rebalance=true", "generation.max_requests_per_batch=2",
+               "generation.max_new_tokens=200", "generation.n_samples=1", "generation.rebalance_interval_s=0.05",
+               "generation.dispatch=round-robin", "ranker.name=none")
+    requests = _requests_for(tiny_policy_dir, cfg, SyntheticTask(num_train=8, num_eval=1, seed=3).train_prompts(), "fp")
+    sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
+    sgs.add_instance()
+    sgs.add_instance()
+    try:
+        sgs.submit(requests)  # 4 per instance, 2 running each: every instance is full
+        assert sgs.poll(timeout=0.3) == []  # 200 tokens each: nothing can have finished yet
+        assert sgs._progress == {} and sgs.counters["sgs/rebalance_rounds"] == 0
+        done = _drain(sgs, [r.request_id for r in requests])
+    finally:
+        sgs.shutdown()
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)
+
+
 def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_session, tiny_policy_dir):
     from streamrl.controller.common import make_task
     from streamrl.sgs.service import StreamGenerationService

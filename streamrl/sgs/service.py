@@ -31,11 +31,13 @@ current weights, so it never generates with a stale version.
 
 Rebalancing (beyond the paper, ``policies.rebalance``): instances then hold submitted requests
 in their own queue and give the engine only a batch plus a little slack (``instance.py``). At
-most every ``generation.rebalance_interval_s`` (instances are polled at that period too, so a
-long tail is noticed even when nothing finishes) the service reads where each instance's
+most every ``generation.rebalance_interval_s`` the service reads where each instance's
 unfinished requests stand (``progress``: held, queued in the engine, or running with n tokens
-generated; it comes back with every poll, ``poll_with_progress``, so a check sends no call of
-its own) and turns each prediction into a remaining length (``remaining_estimate``: a request
+generated). While some instance has free batch slots (the only time a check can act) progress
+comes back with every poll (``poll_with_progress``, at that period, so a long tail is noticed
+even when nothing finishes, and a check sends no call of its own); before that, while every
+instance has a full batch of work, polls are plain (no progress, no periodic wake-ups: on a
+2-core machine those calls took CPU from the instances) and turns each prediction into a remaining length (``remaining_estimate``: a request
 past its prediction gets the recent lengths' median overshoot). It acts only when some instance
 has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
 under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
@@ -282,11 +284,16 @@ class StreamGenerationService:
 
     def poll(self, timeout: float = 1.0) -> list[Completion]:
         """Completions that finished since the last call (possibly none after ``timeout``)."""
-        busy = {inst for inst, _ in self.assigned.values()}
+        counts: dict[str, int] = {n: 0 for n in self.instances}
+        for inst, _ in self.assigned.values():
+            counts[inst] = counts.get(inst, 0) + 1
+        # Progress is read only while a rebalancing check could act (some instance has free slots:
+        # plan_round returns nothing otherwise); until then a plain poll, and no 0.1 s wake-ups.
+        want_progress = self.rebalance and has_free_slots(counts, self.cfg.generation.max_requests_per_batch)
         armed = set(self._polls.values())
         for name, actor in self.instances.items():
-            if name in busy and name not in armed:  # an idle instance's poll would return at once: a spin
-                ref = (actor.poll_with_progress.remote(min(0.5, self.rebalance_interval_s)) if self.rebalance
+            if counts.get(name) and name not in armed:  # an idle instance's poll would return at once: a spin
+                ref = (actor.poll_with_progress.remote(min(0.5, self.rebalance_interval_s)) if want_progress
                        else actor.poll.remote(0.5))
                 self._polls[ref] = name
         if not self._polls:
@@ -299,6 +306,8 @@ class StreamGenerationService:
                 batch = ray.get(ref)
                 if isinstance(batch, tuple):  # poll_with_progress
                     batch, self._progress[name] = batch
+                else:  # a plain poll: the last progress of this instance is stale now
+                    self._progress.pop(name, None)
             except ray.exceptions.RayActorError:
                 log.warning("generation instance %s died; its requests are re-submitted", name)
                 if name in self.instances:
