@@ -195,25 +195,32 @@ def test_rebalancing_moves_queued_work_to_a_new_instance_and_loses_and_duplicate
     assert pending == [0, 0] and not sgs.assigned
 
 
+def _two_instances_eos_off(policy_dir, n_prompts, seed, tag, *overrides):
+    """A rebalancing SGS with two instances and EOS unreachable (every request runs to
+    max_new_tokens), and one request per synthetic prompt of a small task."""
+    from streamrl.sgs.service import StreamGenerationService
+    from streamrl.tasks.synthetic import SyntheticTask
+
+    cfg = _cfg(policy_dir, "generation.rebalance=true", "generation.n_samples=1", "generation.rebalance_interval_s=0.05",
+               "ranker.name=none", *overrides)
+    requests = _requests_for(policy_dir, cfg, SyntheticTask(num_train=n_prompts, num_eval=1, seed=seed).train_prompts(), tag)
+    sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
+    sgs.add_instance()
+    sgs.add_instance()
+    return sgs, requests
+
+
 def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray_session, tiny_policy_dir):
     """Four requests run on gen-0 (its whole batch) while gen-1 idles. Rebalancing stops some of
     them mid-generation and resumes them on gen-1 from their prefix. Each comes back exactly
     once, whole: the prompt as submitted, every token (EOS off: exactly max_new_tokens) with its
     log-prob."""
-    from streamrl.sgs.service import StreamGenerationService
-    from streamrl.tasks.synthetic import SyntheticTask
-
     class AllOnFirst:  # dispatch that puts everything on gen-0, so only rebalancing can use gen-1
         def assign(self, predicted_lengths, num_instances):
             return [0] * len(predicted_lengths)
 
-    cfg = _cfg(tiny_policy_dir, "generation.rebalance=true", "generation.rebalance_threshold=0.1",
-               "generation.max_requests_per_batch=4", "generation.max_new_tokens=160", "generation.n_samples=1",
-               "generation.rebalance_interval_s=0.05", "ranker.name=none")
-    requests = _requests_for(tiny_policy_dir, cfg, SyntheticTask(num_train=4, num_eval=1, seed=2).train_prompts(), "mv")
-    sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs, requests = _two_instances_eos_off(tiny_policy_dir, 4, 2, "mv", "generation.rebalance_threshold=0.1",
+                                           "generation.max_requests_per_batch=4", "generation.max_new_tokens=160")
     sgs.dispatch = AllOnFirst()
     try:
         sgs.submit(requests)
@@ -236,16 +243,8 @@ def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray
 def test_rebalancing_reads_no_progress_while_every_instance_has_a_full_batch(ray_session, tiny_policy_dir):
     """Progress is only read when a check could act (some instance with free slots); while both
     instances run a full batch with more queued, polls are plain and nothing is moved."""
-    from streamrl.sgs.service import StreamGenerationService
-    from streamrl.tasks.synthetic import SyntheticTask
-
-    cfg = _cfg(tiny_policy_dir, "generation.rebalance=true", "generation.max_requests_per_batch=2",
-               "generation.max_new_tokens=200", "generation.n_samples=1", "generation.rebalance_interval_s=0.05",
-               "generation.dispatch=round-robin", "ranker.name=none")
-    requests = _requests_for(tiny_policy_dir, cfg, SyntheticTask(num_train=8, num_eval=1, seed=3).train_prompts(), "fp")
-    sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs, requests = _two_instances_eos_off(tiny_policy_dir, 8, 3, "fp", "generation.max_requests_per_batch=2",
+                                           "generation.max_new_tokens=200", "generation.dispatch=round-robin")
     try:
         sgs.submit(requests)  # 4 per instance, 2 running each: every instance is full
         assert sgs.poll(timeout=0.3) == []  # 200 tokens each: nothing can have finished yet
