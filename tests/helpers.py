@@ -26,3 +26,24 @@ def real_samples(model, tokenizer, texts_and_responses, rewards, temperature=1.0
                           t_start=0.0, t_end=0.0)
         out.append(Sample(prompt=prompt, sample_idx=i % 2, completion=comp, response_text=response, reward=reward))
     return out
+
+
+class AllOnFirst:
+    """Dispatch that puts every request on instance 0, so only rebalancing can use the others."""
+
+    def assign(self, predicted_lengths, num_instances):
+        return [0] * len(predicted_lengths)
+
+
+def assert_moved_running_and_joined(sgs, requests, done, new_tokens):
+    """After a drain where rebalancing moved running requests off gen-0: each request came back
+    exactly once and whole (the prompt as submitted, all ``new_tokens`` tokens with log-probs),
+    at least one was moved while running and at least one finished on gen-1."""
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)  # exactly once
+    assert sgs.counters["sgs/rebalanced_running"] >= 1 and sgs.counters["sgs/duplicates"] == 0
+    assert any(c.instance == "gen-1" for c in done)
+    by_id = {r.request_id: r for r in requests}
+    for c in done:
+        assert c.prompt_ids == by_id[c.request_id].prompt_ids
+        assert len(c.output_ids) == len(c.logprobs) == new_tokens and c.finish_reason == "length"
+        assert all(lp <= 0.0 for lp in c.logprobs) and c.t_start <= c.t_end

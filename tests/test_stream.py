@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from streamrl.config import load_config
 from streamrl.controller.common import group_samples
 from streamrl.trainer.actor import IterationTrainer, StalenessError
-from tests.helpers import real_samples
+from tests.helpers import AllOnFirst, assert_moved_running_and_joined, real_samples
 
 
 def _cfg(policy_dir, *overrides):
@@ -215,10 +215,6 @@ def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray
     them mid-generation and resumes them on gen-1 from their prefix. Each comes back exactly
     once, whole: the prompt as submitted, every token (EOS off: exactly max_new_tokens) with its
     log-prob."""
-    class AllOnFirst:  # dispatch that puts everything on gen-0, so only rebalancing can use gen-1
-        def assign(self, predicted_lengths, num_instances):
-            return [0] * len(predicted_lengths)
-
     sgs, requests = _two_instances_eos_off(tiny_policy_dir, 4, 2, "mv", "generation.rebalance_threshold=0.1",
                                            "generation.max_requests_per_batch=4", "generation.max_new_tokens=160")
     sgs.dispatch = AllOnFirst()
@@ -229,14 +225,7 @@ def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray
         pending = ray_session.get([a.num_pending.remote() for a in sgs.instances.values()])
     finally:
         sgs.shutdown()
-    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)  # exactly once
-    assert sgs.counters["sgs/rebalanced_running"] >= 1 and sgs.counters["sgs/duplicates"] == 0
-    assert any(c.instance == "gen-1" for c in done)
-    by_id = {r.request_id: r for r in requests}
-    for c in done:
-        assert c.prompt_ids == by_id[c.request_id].prompt_ids
-        assert len(c.output_ids) == len(c.logprobs) == 160 and c.finish_reason == "length"
-        assert all(lp <= 0.0 for lp in c.logprobs) and c.t_start <= c.t_end
+    assert_moved_running_and_joined(sgs, requests, done, 160)
     assert pending == [0, 0] and not sgs.assigned and not sgs._prefix
 
 

@@ -15,6 +15,7 @@ import os
 import pytest
 
 from streamrl.config import PolicyConfig, load_config
+from tests.helpers import AllOnFirst, assert_moved_running_and_joined
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
@@ -86,10 +87,6 @@ def test_rebalancing_moves_running_vllm_requests_with_their_prefix(ray_three_cpu
     from streamrl.sgs.service import StreamGenerationService
     from streamrl.tasks.synthetic import SyntheticTask
 
-    class AllOnFirst:  # dispatch that puts everything on gen-0, so only rebalancing can use gen-1
-        def assign(self, predicted_lengths, num_instances):
-            return [0] * len(predicted_lengths)
-
     cfg = load_config(None, [
         f"policy.path={vllm_policy_dir}", "generation.engine=vllm", "generation.rebalance=true",
         "generation.rebalance_threshold=0.1", "generation.max_requests_per_batch=4", "generation.max_new_tokens=160",
@@ -109,11 +106,4 @@ def test_rebalancing_moves_running_vllm_requests_with_their_prefix(ray_three_cpu
                 done.append(c)
     finally:
         sgs.shutdown()
-    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)  # exactly once
-    assert sgs.counters["sgs/rebalanced_running"] >= 1 and sgs.counters["sgs/duplicates"] == 0
-    assert any(c.instance == "gen-1" for c in done)
-    by_id = {r.request_id: r for r in requests}
-    for c in done:
-        assert c.prompt_ids == by_id[c.request_id].prompt_ids
-        assert len(c.output_ids) == len(c.logprobs) == 160 and c.finish_reason == "length"
-        assert all(lp <= 0.0 for lp in c.logprobs)
+    assert_moved_running_and_joined(sgs, requests, done, 160)

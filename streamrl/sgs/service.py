@@ -33,14 +33,15 @@ Rebalancing (beyond the paper, ``policies.rebalance``): instances then hold subm
 in their own queue and give the engine only a batch plus a little slack (``instance.py``). At
 most every ``generation.rebalance_interval_s`` the service reads where each instance's
 unfinished requests stand (``progress``: held, queued in the engine, or running with n tokens
-generated). While some instance has free batch slots (the only time a check can act) progress
-comes back with every poll (``poll_with_progress``, at that period, so a long tail is noticed
-even when nothing finishes, and a check sends no call of its own); before that, while every
-instance has a full batch of work, polls are plain (no progress, no periodic wake-ups: on a
-2-core machine those calls took CPU from the instances) and turns each prediction into a remaining length (``remaining_estimate``: a request
-past its prediction gets the recent lengths' median overshoot). It acts only when some instance
-has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
-under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
+generated) and turns each prediction into a remaining length (``remaining_estimate``: a request
+past its prediction gets the recent lengths' median overshoot). Progress comes back with every
+poll (``poll_with_progress``, at that period, so a long tail is noticed even when nothing
+finishes, and a check sends no call of its own), but only while some instance has free batch
+slots, the only time a check can act; while every instance has a full batch of work, polls are
+plain (no progress, no periodic wake-ups: on a 2-core machine those calls took CPU from the
+instances). It acts only when some instance has free batch slots (fewer unfinished requests
+than ``max_requests_per_batch``: it is running under-full or idle, the moment a wrong estimate
+shows) and the predicted remaining times differ
 by more than ``generation.rebalance_threshold`` of the largest. ``plan_moves`` then picks moves,
 at most as many into an instance as it has free slots (work stealing: what moves starts at once).
 That check is ``policies.rebalance.plan_round``, the one the simulator runs too. The source
@@ -284,9 +285,7 @@ class StreamGenerationService:
 
     def poll(self, timeout: float = 1.0) -> list[Completion]:
         """Completions that finished since the last call (possibly none after ``timeout``)."""
-        counts: dict[str, int] = {n: 0 for n in self.instances}
-        for inst, _ in self.assigned.values():
-            counts[inst] = counts.get(inst, 0) + 1
+        counts = self._unfinished_counts()
         # Progress is read only while a rebalancing check could act (some instance has free slots:
         # plan_round returns nothing otherwise); until then a plain poll, and no 0.1 s wake-ups.
         want_progress = self.rebalance and has_free_slots(counts, self.cfg.generation.max_requests_per_batch)
@@ -380,9 +379,7 @@ class StreamGenerationService:
             return 0
         self._last_check = now
         cap = self.cfg.generation.max_requests_per_batch
-        counts = {n: 0 for n in self.instances}
-        for name, _ in self.assigned.values():
-            counts[name] += 1
+        counts = self._unfinished_counts()
         if not has_free_slots(counts, cap):
             return 0  # every instance has a full batch of work, or there is nothing to split: no Ray call
         names = list(self.instances)
@@ -392,6 +389,13 @@ class StreamGenerationService:
         moves = plan_round(self._unfinished({n: self._progress[n] for n in names}), self.latency, cap,
                            self.rebalance_threshold, sorted(self._recent))
         return self._apply_moves(moves) if moves else 0
+
+    def _unfinished_counts(self) -> dict[str, int]:
+        """Unfinished (assigned, not yet returned) requests per instance, 0 for an idle one."""
+        counts = {n: 0 for n in self.instances}
+        for name, _ in self.assigned.values():
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def _unfinished(self, states: dict[str, dict]) -> dict[str, list[Unfinished]]:
         """Per instance, its unfinished requests as ``plan_round`` reads them: progress from the
