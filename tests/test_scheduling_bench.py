@@ -36,6 +36,19 @@ def test_lower_bound_is_the_longer_of_longest_alone_and_all_tokens_at_peak():
     assert lb["lower_bound_s"] == pytest.approx(1.0)
     many = lower_bound_s([50] * 40, lat, instances=2, batch=4)
     assert many["lower_bound_s"] == pytest.approx(2000 / 400)  # the token term dominates
+    assert many["context_s"] == 0.0
+
+
+def test_lower_bound_adds_every_tokens_context_cost_whatever_the_schedule():
+    # kv 0.01 ms per context token. Samples of 3 and 2 tokens after prompts of 5: their tokens hold
+    # contexts 5, 6, 7 and 5, 6 -> 29 context tokens -> 0.29 ms in all, 0.145 ms per instance.
+    lat = LatencyModel(((1, 10.0), (4, 20.0)), extra={"kv_ms_per_token": 0.01})
+    lb = lower_bound_s([3, 2], lat, instances=2, batch=4, prompt_len=5)
+    assert lb["context_s"] == pytest.approx(0.29e-3 / 2)
+    assert lb["all_tokens_at_peak_s"] == pytest.approx((5 / 200 + 0.29e-3) / 2)
+    # the longest alone: 3 tokens x 10 ms plus its own contexts 5 + 6 + 7 = 18 x 0.01 ms
+    assert lb["longest_alone_s"] == pytest.approx(0.030 + 0.18e-3)
+    assert lb["lower_bound_s"] == pytest.approx(lb["longest_alone_s"])
 
 
 def test_bench_modes_rejects_colocated_thread_counts_beyond_the_cluster(tmp_path):

@@ -46,8 +46,9 @@ the same batch of 16 with 200 more prompt tokens each; a decode step on this CPU
 context token the running requests hold). Dispatch and rebalancing read it; ``skewness-search``
 uses the context term, the paper's ``skewness-aware`` does not. The lower bound is the longer of
 the longest sample alone (``PTL(1)`` per token plus its own context cost) and all tokens at the
-peak rate (``instances x max_b b / PTL(b)``, ``b <= batch``); it ignores prefill, admission and
-the other requests' context, so it is optimistic.
+peak rate (``instances x max_b b / PTL(b)``, ``b <= batch``) plus every token's context cost
+(the same whatever the schedule: ``lower_bound_s``); it ignores prefill, admission and the CB
+loop's own overhead, so it is optimistic.
 
 Batch size. ``max_requests_per_batch`` (``batch``) is set below each instance's share of the
 batch (``prompts / instances``), so requests queue inside an instance and their admission order
@@ -125,16 +126,23 @@ TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75, "search+ranker": 0.85, "sea
 
 
 def lower_bound_s(lengths, latency, instances: int, batch: int, prompt_len: float = 0.0) -> dict[str, float]:
-    """The longer of the longest sample alone (with its own context cost when the profile has
-    one) and all tokens at the engine's peak rate."""
+    """The longer of the longest sample alone and all tokens at the engine's peak rate, each with
+    the context cost when the profile has one (``kv_ms_per_token``).
+
+    The context term of the all-tokens bound does not depend on the schedule: under the latency
+    model a step costs ``kv`` per context token each running request holds, so generating token
+    ``g`` of a sample (prompt ``p``) costs ``kv x (p + g)`` wherever and whenever it runs, and a
+    sample of ``L`` tokens adds ``kv x (p L + L (L - 1) / 2)``. Shared by the instances."""
     from streamrl.policies.dispatch import instance_makespan_s
 
     sizes = [b for b, _ in latency.points if b <= batch] or [latency.points[0][0]]
     peak = max(latency.tokens_per_s(b) for b in sizes)
     longest = instance_makespan_s([max(lengths)], latency, 1, prompt_len)
-    all_tokens = float(sum(lengths)) / (instances * peak)
+    lens = np.asarray(lengths, dtype=np.float64)
+    context_s = latency.kv_ms_per_token / 1000.0 * float(np.sum(prompt_len * lens + lens * (lens - 1) / 2))
+    all_tokens = (float(lens.sum()) / peak + context_s) / instances
     return {"lower_bound_s": max(longest, all_tokens), "longest_alone_s": longest, "all_tokens_at_peak_s": all_tokens,
-            "peak_tokens_per_s_per_instance": peak}
+            "context_s": context_s / instances, "peak_tokens_per_s_per_instance": peak}
 
 
 def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
