@@ -117,6 +117,7 @@ CONFIGS = (
     SchedConfig("search+ranker", "skewness-search", "lpt", "ranker", False),
     SchedConfig("search+oracle", "skewness-search", "lpt", "oracle", False),
     SchedConfig("search+ranker+rebalance", "skewness-search", "lpt", "ranker", True),
+    SchedConfig("search+oracle+rebalance", "skewness-search", "lpt", "oracle", True),
     SchedConfig("skew+ranker+hedged", "skewness-aware", "lpt-head", "ranker", False),
     SchedConfig("search+ranker+hedged", "skewness-search", "lpt-head", "ranker", False),
     SchedConfig("skew+ranker+hedged+rebalance", "skewness-aware", "lpt-head", "ranker", True),
