@@ -264,7 +264,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
                 if history_policy else {})
     sgs = StreamGenerationService(cfg, ranker=None, engine_overrides={"temperature": 0.0}, hold_back=True)
     sgs.latency = latency  # rebalancing's model: the PTL measured (or read) above
-    per_batch = []
+    per_batch, batch_lengths, ranker_scores = [], {}, {}
     try:
         for _ in range(instances):
             sgs.add_instance()
@@ -281,9 +281,12 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         fit_s = time.perf_counter() - t_fit
         fit_info = {"ranker": ranker, "fit_s": fit_s, "train_prompts": len(other_len), "fit_prompts": len(fit_len)}
         for b, batch_prompts in enumerate(batch_sets):
-            per_batch.append(_bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_policy,
-                                          list(other_len.values()), latency, configs, repeats, instances, batch,
-                                          prompt_len, cfg, b, echo))
+            table, lengths, scores = _bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_policy,
+                                                  list(other_len.values()), latency, configs, repeats, instances,
+                                                  batch, prompt_len, cfg, b, echo)
+            per_batch.append(table)
+            batch_lengths.update(lengths)
+            ranker_scores.update(scores)
     finally:
         sgs.shutdown()
     result = _aggregate(configs, per_batch, latency_to_dict(latency), dict(
@@ -291,18 +294,16 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         max_new_tokens=g.max_new_tokens, policy=cfg.policy.path, rebalance_threshold=g.rebalance_threshold,
         skew_alpha=g.skew_alpha, decoding="greedy"))
     # The greedy lengths themselves (batches and ranker data), so the table can be re-modelled offline.
-    result["recorded_lengths"] = {"batch": {k: v for pb in per_batch for k, v in pb["recorded_lengths"].items()},
-                                  "ranker_data": other_len, "history": hist_len}
-    result["ranker_scores"] = {k: v for pb in per_batch for k, v in pb.pop("ranker_scores").items()}
-    for pb in per_batch:
-        del pb["recorded_lengths"]
+    result["recorded_lengths"] = {"batch": batch_lengths, "ranker_data": other_len, "history": hist_len}
+    result["ranker_scores"] = ranker_scores
     return result
 
 
 def _bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_policy, history, latency, configs,
-                 repeats, instances, batch, prompt_len, cfg, index, echo) -> dict:
+                 repeats, instances, batch, prompt_len, cfg, index, echo) -> tuple[dict, dict, dict]:
     """One batch: its recording run (the oracle lengths), the ranker's scores, and every configuration
-    ``repeats`` times in rotated order; returns ``_summarise``'s dict for the batch."""
+    ``repeats`` times in rotated order; returns ``_summarise``'s dict for the batch, and the batch's
+    recorded lengths and ranker scores by prompt key."""
     from streamrl.ranker.metrics import rank_metrics
 
     g = cfg.generation
@@ -349,9 +350,7 @@ def _bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_po
         total_tokens=int(sum(true)), mean_len=float(np.mean(true)), p50_len=float(np.percentile(true, 50)),
         p90_len=float(np.percentile(true, 90)), max_len=int(max(true))))
     out["batch"] = index
-    out["recorded_lengths"] = {p.prompt_id: oracle[p.prompt_id] for p in batch_prompts}
-    out["ranker_scores"] = scores
-    return out
+    return out, {p.prompt_id: oracle[p.prompt_id] for p in batch_prompts}, scores
 
 
 def _summarise(configs, runs, bound, ranker_row, rec, stats) -> dict:

@@ -124,7 +124,7 @@ def run_scheduling(args) -> int:
     print_table(f"bench scheduling: {su['batches']} x {su['prompts']} prompts (greedy, mean {su['mean_len']:.0f} / p90 {su['p90_len']:.0f} / "
                 f"max {su['max_len']} tokens) on {su['instances']} instances, batch {su['batch']}, {su['repeats']} runs "
                 f"each; lower bound {lb['lower_bound_s']:.2f}s (longest alone {lb['longest_alone_s']:.2f}s, all tokens at "
-                f"peak {lb['all_tokens_at_peak_s']:.2f}s, of which context {lb.get('context_s', 0.0):.2f}s)", result["rows"],
+                f"peak {lb['all_tokens_at_peak_s']:.2f}s, of which context {lb['context_s']:.2f}s)", result["rows"],
                 ["config", "makespan_s", "makespan_min_s", "makespan_max_s", "vs_random_fifo", "vs_lower_bound",
                  "cpu_makespan_s", "cpu_vs_random_fifo", "moved", "moved_running", "length_match"])
     print_table("targets", result["checks"], ["check", "value", "met"])

@@ -36,12 +36,11 @@ unfinished requests stand (``progress``: held, queued in the engine, or running 
 generated) and turns each prediction into a remaining length (``remaining_estimate``: a request
 past its prediction gets the recent lengths' median overshoot). Progress comes back with every
 poll (``poll_with_progress``, at that period, so a long tail is noticed even when nothing
-finishes, and a check sends no call of its own), but only while some instance has free batch
-slots, the only time a check can act; while every instance has a full batch of work, polls are
-plain (no progress, no periodic wake-ups: on a 2-core machine those calls took CPU from the
-instances). It acts only when some instance has free batch slots (fewer unfinished requests
-than ``max_requests_per_batch``: it is running under-full or idle, the moment a wrong estimate
-shows) and the predicted remaining times differ
+finishes, and a check sends no call of its own), but only while a check could act; while every
+instance has a full batch of work, polls are plain (no progress, no periodic wake-ups: on a
+2-core machine those calls took CPU from the instances). A check acts only when some instance
+has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
+under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
 by more than ``generation.rebalance_threshold`` of the largest. ``plan_moves`` then picks moves,
 at most as many into an instance as it has free slots (work stealing: what moves starts at once).
 That check is ``policies.rebalance.plan_round``, the one the simulator runs too. The source
