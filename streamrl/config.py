@@ -31,6 +31,8 @@ class RunConfig(_Section):
     out_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, timeline, ckpts")
     eval_every: int = Field(0, ge=0, description="evaluate on the held-out set every k iterations; 0 = only before/after")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every k iterations; 0 = only at the end")
+    keep_checkpoints: bool = Field(False, description="also keep each periodic checkpoint's policy as "
+                                   "out_dir/checkpoints/iter-<k> (the latest is always out_dir/checkpoint)")
     resume: bool = Field(False, description="resume from the latest checkpoint in out_dir")
     eval_samples: int = Field(2, ge=1, description="samples per held-out prompt (temperature as in training)")
 
@@ -118,7 +120,8 @@ class RankerConfig(_Section):
     """Output-length ranker used by the SGS when dispatch or order needs predicted lengths."""
 
     name: str = Field("blend", description="learned | lm (the policy fine-tuned to predict lengths) | history | "
-                      "blend (history + a text prior: kwargs.prior learned|lm) | prompt-length | none (equal predictions)")
+                      "blend (history + a text prior: kwargs.prior learned|lm) | reweighted (history importance-"
+                      "weighted to the current policy) | prompt-length | none (equal predictions)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor arguments of the ranker")
     fit_file: str | None = Field(None, description="JSONL of {key, text, length} records to fit on before the "
                                  "first iteration; None = cold start, fitted on the first finished batch")

@@ -17,8 +17,8 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
     out = tmp_path / "run"
     lines = []
     # 4 training prompts, 4 per iteration: every iteration is a new epoch over the same prompts
-    summary = train(_cfg(tiny_policy_dir, out, "run.iterations=2", "task.num_train=4", "logging.samples=true"),
-                    echo=lines.append)
+    summary = train(_cfg(tiny_policy_dir, out, "run.iterations=2", "task.num_train=4", "logging.samples=true",
+                         "run.checkpoint_every=1", "run.keep_checkpoints=true"), echo=lines.append)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     per_iter = [r for r in records if "reward/mean" in r]
     assert len(per_iter) == 2
@@ -36,6 +36,10 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
     assert {(r["iteration"], r["key"], r["sample_idx"]) for r in rows} == {
         (it, k, i) for it in (0, 1) for k in {r["key"] for r in rows} for i in (0, 1)}
     assert all(r["length"] >= 1 and r["text"] and r["finish_reason"] in ("stop", "length") for r in rows)
+    assert all(r["logprob"] < 0 for r in rows)  # the behaviour policy's log-prob of the whole response
+    # every periodic checkpoint's policy is kept beside the latest (the reweighted ranker's eval reads them)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter-1", "iter-2"]
+    assert (out / "checkpoints" / "iter-1" / "config.json").is_file()
 
     # a row written after the checkpoint (iteration 2 of a crashed run) is dropped on resume
     with open(out / "samples.jsonl", "a") as f:

@@ -75,7 +75,8 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str
                 t_start = time.time()
             prompts = stream.next_batch(cfg.generation.prompts_per_iter)
             ctx.scorer.register(prompts)
-            samples, metrics = pipe.step(it, prompts)
+            upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < warmup + iterations else None
+            samples, metrics = pipe.step(it, prompts, upcoming)
             if it >= warmup:
                 samples_n += len(samples)
                 tokens_n += sum(s.num_response_tokens for s in samples)

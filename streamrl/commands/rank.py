@@ -9,7 +9,7 @@ from __future__ import annotations
 from streamrl.metrics.report import add_out_argument
 
 DATASETS = ("qwen-math", "skythought", "samples")
-RANKER_NAMES = ("learned", "learned-ridge", "history", "blend", "prompt-length", "lm")
+RANKER_NAMES = ("learned", "learned-ridge", "history", "blend", "prompt-length", "lm", "reweighted")
 DEFAULT_RANKERS = ("learned", "history", "blend", "prompt-length")
 PROTOCOLS = ("streaming", "prompts", "samples", "transfer")
 
@@ -37,6 +37,14 @@ def register(sub) -> None:
                         "iteration); the streaming protocol's steps")
     p.add_argument("--warmup-steps", type=int, default=1, metavar="N",
                    help="streaming: fit on the first N steps, then score each later step and update with it")
+    p.add_argument("--checkpoints", default=None, metavar="DIR",
+                   help="--data samples, ranker reweighted: the run's kept policies (out_dir/checkpoints, "
+                        "run.keep_checkpoints=true); each streaming step is scored under the newest one at least "
+                        "--policy-lag versions older than the policy that generated it")
+    p.add_argument("--policy-lag", type=int, default=1, metavar="N",
+                   help="versions between the scoring policy and the generating one (1: the live ranker scores "
+                        "the next batch ahead)")
+    p.add_argument("--beta", type=float, default=None, help="ranker reweighted: temper of the importance weights")
     p.add_argument("--decay", type=float, default=1.0, help="history/blend weight decay per step, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p)
@@ -58,11 +66,22 @@ def run_eval(args) -> int:
         raise SystemExit(f"streamrl rank eval: --warmup-steps must be >= 1, got {args.warmup_steps}")
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     rankers = tuple(dict.fromkeys(args.ranker)) if args.ranker else DEFAULT_RANKERS
-    if "lm" in rankers and not args.model:
-        raise SystemExit("streamrl rank eval: ranker 'lm' fine-tunes a model: give its checkpoint with --model DIR")
-    kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}, "lm": {"model_path": args.model}}
+    for name in ("lm", "reweighted"):
+        if name in rankers and not args.model:
+            raise SystemExit(f"streamrl rank eval: ranker {name!r} runs the policy: give its checkpoint with --model DIR")
+    if args.policy_lag < 0:
+        raise SystemExit(f"streamrl rank eval: --policy-lag must be >= 0, got {args.policy_lag}")
+    reweighted = {"model_path": args.model, **({} if args.beta is None else {"beta": args.beta})}
+    kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}, "lm": {"model_path": args.model},
+              "reweighted": reweighted}
+    policy_at = None
+    if args.checkpoints:
+        from streamrl.ranker.evaluate import checkpoint_resolver
+
+        policy_at = checkpoint_resolver(args.checkpoints, args.policy_lag)
     results = run_suite(args.data, data_dir, rankers, kwargs, file=args.file, folds=args.folds, seed=args.seed,
-                        protocols=args.protocol, step_field=args.step_field, warmup_steps=args.warmup_steps)
+                        protocols=args.protocol, step_field=args.step_field, warmup_steps=args.warmup_steps,
+                        policy_at=policy_at)
     columns = ["unit", "ranker", *METRIC_KEYS, "n", "batches", "fit_s"]
     all_rows = []
     for title, rows, note in results:
@@ -74,5 +93,6 @@ def run_eval(args) -> int:
     print("paper (Qwen2.5-7B ranker, Table 4, per sample): recall@20/10/5% = 0.87 / 0.82 / 0.76")
     write_json(args.out, {"data": args.data, "data_dir": str(data_dir), "rankers": list(rankers),
                           "seed": args.seed, "decay": args.decay, "step_field": args.step_field,
-                          "warmup_steps": args.warmup_steps, "rows": all_rows})
+                          "warmup_steps": args.warmup_steps, "checkpoints": args.checkpoints,
+                          "policy_lag": args.policy_lag, "ranker_kwargs": kwargs, "rows": all_rows})
     return 0

@@ -60,6 +60,11 @@ class PromptStream:
             self.index += 1
         return out
 
+    def peek_batch(self, k: int) -> list[Prompt]:
+        """The batch ``next_batch(k)`` would return, without moving the stream."""
+        ahead = PromptStream(self.prompts, self.seed, self.epoch, self.index)
+        return ahead.next_batch(k)
+
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,8 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
     for it in range(start, cfg.run.iterations):
         prompts = stream.next_batch(cfg.generation.prompts_per_iter)
         ctx.scorer.register(prompts)
-        samples, metrics = pipeline.step(it, prompts)
+        upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < cfg.run.iterations else None
+        samples, metrics = pipeline.step(it, prompts, upcoming)
         if sample_log is not None:
             sample_log.write(it, samples)
         metrics.update(_sample_metrics(samples))
@@ -147,6 +149,8 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
         logger.log(it + 1, metrics)
         if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
             pipeline.save(str(ckpt), {"iteration": it, "stream": stream.state()})
+            if cfg.run.keep_checkpoints:
+                shutil.copytree(ckpt / "policy", out / "checkpoints" / f"iter-{it + 1}", dirs_exist_ok=True)
     pipeline.finish()
     rl_seconds = time.time() - t_run
     timeline = getattr(pipeline, "timeline", None)

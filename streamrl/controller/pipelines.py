@@ -31,7 +31,7 @@ class ColocatedPipeline:
         completions, _ = ray.get(self.worker.generate.remote(requests))
         return completions
 
-    def step(self, iteration: int, prompts):
+    def step(self, iteration: int, prompts, upcoming=None):  # no ranker here: ``upcoming`` is unused
         t0 = time.time()
         requests = self.ctx.builder.build(prompts, iteration)
         completions, gen_s = ray.get(self.worker.generate.remote(requests))
@@ -126,9 +126,13 @@ class DisaggPipeline:
         self._ensure_version(max(self.results, default=-1) + 1)
         return list(self.sgs.generate(requests))
 
-    def step(self, iteration: int, prompts):
+    def step(self, iteration: int, prompts, upcoming=None):
+        """One iteration; ``upcoming`` (the next iteration's prompts) is handed to the ranker to
+        score ahead, after this iteration's weights are installed."""
         t0 = time.time()
         self._ensure_version(iteration - self.max_staleness)
+        if upcoming:
+            self.sgs.prefetch(upcoming)
         gen_version = self.sgs.version
         requests = self.ctx.builder.build(prompts, iteration)
         expected = len({r.prompt_id for r in requests})

@@ -6,7 +6,12 @@ of iterations before k and drops later ones (written after the checkpoint it res
 will be generated again); a fresh run starts an empty file::
 
     {"iteration", "epoch", "key", "text", "sample_idx", "length", "reward", "finish_reason",
-     "version_start", "version_end", "instance", "response"}
+     "version_start", "version_end", "instance", "response", "logprob"}
+
+``logprob`` is the sum of the sampled tokens' log-probabilities under the policy that generated
+them (the behaviour policy), so a later policy's likelihood of the same response can be compared
+with it (importance weights; ``streamrl/ranker/reweighted.py``); null when the engine returned no
+log-prob per token.
 
 ``epoch`` is how many earlier iterations drew the same prompt: 0 the first time the run saw it, 1
 the second, ... (the prompt stream's epoch where batches do not straddle an epoch boundary). The
@@ -53,7 +58,8 @@ class SampleLog:
             row = {"iteration": iteration, "epoch": self._visits[s.prompt.prompt_id], "key": s.prompt.prompt_id,
                    "text": s.prompt.text, "sample_idx": s.sample_idx, "length": s.num_response_tokens,
                    "reward": s.reward, "finish_reason": c.finish_reason, "version_start": c.version_start,
-                   "version_end": c.version_end, "instance": c.instance, "response": s.response_text}
+                   "version_end": c.version_end, "instance": c.instance, "response": s.response_text,
+                   "logprob": float(sum(c.logprobs)) if len(c.logprobs) == len(c.output_ids) else None}
             self._file.write(json.dumps(row) + "\n")
         self._visits.update(keys)
         self._file.flush()

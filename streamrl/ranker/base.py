@@ -36,6 +36,7 @@ RANKERS = {
     "blend": "streamrl.ranker.history:BlendRanker",
     "prompt-length": "streamrl.ranker.base:PromptLengthRanker",
     "lm": "streamrl.ranker.finetuned:FinetunedLMRanker",
+    "reweighted": "streamrl.ranker.reweighted:ReweightedHistoryRanker",
 }
 
 

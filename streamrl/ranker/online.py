@@ -5,10 +5,23 @@ Dataflow (all in the driver process; the SGS owns one ``OnlineRanker``)::
     register(keys, texts)  once, before RL: the whole dataset is scored now, off the critical
                            path; the scores go in ``_table`` (key -> predicted length)
     predict(keys)          at dispatch: a dict lookup per request (no model call)
-    observe(keys, lengths) after each generation batch: queued for the refresh thread; returns
+    observe(keys, lengths[, traces])
+                           after each generation batch: queued for the refresh thread; returns
                            at once
     refresh thread         fit (first batch) or update the ranker with the batch, re-score every
                            registered prompt, swap the new table in under ``_lock``
+
+Rankers that score with the current policy (``reweighted``: ``set_policy``, ``rescore_all =
+False``) take two more calls, queued to the same thread in call order:
+
+    set_policy(load, version)  the SGS installed new weights: ``load()`` returns their state dict
+                               (the thread fetches it, so the caller never waits)
+    prefetch(keys)             score the *next* batch's prompts now, under the newest installed
+                               policy, so its dispatch is again a table lookup
+
+For them a refresh does not re-score the dataset (a forward pass per remembered response):
+it drops the observed prompts from the table, and ``prefetch`` (or, on a miss, ``predict``
+itself) scores what a batch needs.
 
 So dispatch never waits for training or scoring; a batch submitted while a refresh runs uses the
 previous table (one iteration old). The thread does use the driver's CPU: on a 2-core machine
@@ -72,7 +85,9 @@ class OnlineRanker:
             self._fitted = True
             for k, t in zip(keys, texts):
                 self._texts.setdefault(str(k), t)
-        self._rescore()
+            self._table.clear()
+        if getattr(self.ranker, "rescore_all", True):
+            self._rescore()
 
     def register(self, keys: Sequence[str], texts: Sequence[str]) -> None:
         """Remember the prompts' texts and score them ahead of time (if the ranker is fitted)."""
@@ -82,7 +97,7 @@ class OnlineRanker:
         with self._lock:
             self._texts.update(zip(keys, texts))
             fitted = self._fitted
-        if fitted:
+        if fitted and getattr(self.ranker, "rescore_all", True):
             scores = self.ranker.score(list(texts), keys)
             with self._lock:
                 self._table.update(zip(keys, scores.tolist()))
@@ -111,8 +126,10 @@ class OnlineRanker:
             out[unknown] = self.default_length
         return out
 
-    def observe(self, keys: Sequence[str], lengths: Sequence[float]) -> None:
-        """Queue one batch of finished generations for the background refresh; returns at once."""
+    def observe(self, keys: Sequence[str], lengths: Sequence[float], traces: Sequence | None = None) -> None:
+        """Queue one batch of finished generations for the background refresh; returns at once.
+
+        ``traces`` (one per length) go to rankers that read responses (``uses_traces``)."""
         self._raise_if_failed()
         keys = [str(k) for k in keys]
         lens = [float(x) for x in lengths]
@@ -121,6 +138,8 @@ class OnlineRanker:
         bad = [(k, x) for k, x in zip(keys, lens) if not 0 <= x < float("inf")]
         if bad:
             raise ValueError(f"observe: lengths must be finite and >= 0, got (key, length) {bad[:5]}")
+        if traces is not None and len(traces) != len(keys):
+            raise ValueError(f"observe: {len(keys)} keys but {len(traces)} traces")
         if not self.refresh_enabled:
             return
         with self._lock:
@@ -128,8 +147,30 @@ class OnlineRanker:
             self.counters["rank/unregistered_skipped"] += len(keys) - len(known)
             if not known:
                 return
+        use_traces = traces is not None and getattr(self.ranker, "uses_traces", False)
+        self._put(("observe", [keys[i] for i in known], [lens[i] for i in known],
+                   [traces[i] for i in known] if use_traces else None))
+
+    def set_policy(self, load, version: int) -> None:
+        """Queue installing policy ``version`` (``load()`` gives its state dict); a no-op for text rankers."""
+        if hasattr(self.ranker, "set_policy"):
+            self._raise_if_failed()
+            self._put(("policy", load, int(version)))
+
+    def prefetch(self, keys: Sequence[str]) -> None:
+        """Queue scoring ``keys`` (the next batch) ahead of their dispatch; a no-op when the table is complete."""
+        self._raise_if_failed()
+        if getattr(self.ranker, "rescore_all", True):
+            return
+        with self._lock:
+            keys = [str(k) for k in keys if str(k) in self._texts]
+        if keys:
+            self._put(("prefetch", keys))
+
+    def _put(self, item: tuple) -> None:
+        with self._lock:
             self._busy += 1
-        self._queue.put(([keys[i] for i in known], [lens[i] for i in known]))
+        self._queue.put(item)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every observed batch is folded in (tests, benches); False on timeout."""
@@ -144,22 +185,16 @@ class OnlineRanker:
             item = self._queue.get()
             if item is None:
                 return
-            keys, lens = item
             try:
-                t0 = time.perf_counter()
-                with self._lock:
-                    texts = [self._texts[k] for k in keys]
-                    fitted = self._fitted
-                if fitted:
-                    self.ranker.update(texts, lens, keys)
-                else:
-                    self.ranker.fit(texts, lens, keys)
+                if item[0] == "observe":
+                    self._refresh(*item[1:])
+                elif item[0] == "policy":
+                    _, load, version = item
+                    self.ranker.set_policy(load(), version)
                     with self._lock:
-                        self._fitted = True
-                self._rescore()
-                with self._lock:
-                    self.counters["rank/refreshes"] += 1
-                    self.counters["rank/refresh_s"] = time.perf_counter() - t0
+                        self.counters["rank/policy_version"] = version
+                else:
+                    self._score_ahead(item[1])
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller's thread
                 log.error("ranker refresh failed: %r", exc)
                 with self._lock:
@@ -168,6 +203,40 @@ class OnlineRanker:
                 with self._idle:
                     self._busy -= 1
                     self._idle.notify_all()
+
+    def _refresh(self, keys: list[str], lens: list[float], traces: list | None) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            texts = [self._texts[k] for k in keys]
+            fitted = self._fitted
+        extra = {} if traces is None else {"traces": traces}
+        if fitted:
+            self.ranker.update(texts, lens, keys, **extra)
+        else:
+            self.ranker.fit(texts, lens, keys, **extra)
+            with self._lock:
+                self._fitted = True
+        if getattr(self.ranker, "rescore_all", True):
+            self._rescore()
+        else:
+            with self._lock:
+                for k in keys:
+                    self._table.pop(k, None)
+        with self._lock:
+            self.counters["rank/refreshes"] += 1
+            self.counters["rank/refresh_s"] = time.perf_counter() - t0
+
+    def _score_ahead(self, keys: list[str]) -> None:
+        with self._lock:
+            if not self._fitted:
+                return
+            texts = [self._texts[k] for k in keys]
+        t0 = time.perf_counter()
+        scores = self.ranker.score(texts, keys)
+        with self._lock:
+            self._table.update(zip(keys, scores.tolist()))
+            self.counters["rank/prefetched"] = self.counters.get("rank/prefetched", 0) + len(keys)
+            self.counters["rank/prefetch_s"] = time.perf_counter() - t0
 
     def _rescore(self) -> None:
         """Score every registered prompt with the current ranker and swap the table in."""

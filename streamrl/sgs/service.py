@@ -87,6 +87,14 @@ NEEDS_LENGTHS = ("skewness-aware", "skewness-search", "least-loaded")
 RESUME_PRIORITY = 1e30  # a resumed request is admitted before everything queued at its new instance
 
 
+def _state_dict(handle) -> dict:
+    """The weights behind a ``WeightHandle`` as owned tensors (for the driver's ranker)."""
+    from streamrl.weights.flat import unflatten
+    from streamrl.weights.transfer import RayObjectStoreTransport
+
+    return unflatten(RayObjectStoreTransport().fetch(handle), copy=True)
+
+
 def make_online_ranker(cfg: Config) -> OnlineRanker | None:
     """The configured ranker wrapped for online use, fitted on ``ranker.fit_file`` if given; None for ``none``."""
     r = cfg.ranker
@@ -231,6 +239,8 @@ class StreamGenerationService:
         """Install ``version`` on every instance. ``wait=False`` returns the refs (overlap)."""
         self._handle, self.version = handle, version
         refs = [a.update.remote(handle, version) for a in self.instances.values()]
+        if self.ranker is not None:  # rankers that score with the policy fetch it in their thread
+            self.ranker.set_policy(lambda: _state_dict(handle), version)
         return ray.get(refs) if wait else refs
 
     # ---------------------------------------------------------------------------------- ranker
@@ -238,6 +248,11 @@ class StreamGenerationService:
         """Register the dataset's prompts (``prompt_id``, ``text``) so the ranker scores them ahead."""
         if self.ranker is not None:
             self.ranker.register([p.prompt_id for p in prompts], [p.text for p in prompts])
+
+    def prefetch(self, prompts: Sequence) -> None:
+        """Let the ranker score the next batch's prompts ahead (rankers that score with the policy)."""
+        if self.ranker is not None:
+            self.ranker.prefetch([p.prompt_id for p in prompts])
 
     def predict(self, requests: Sequence[GenRequest]) -> list[float]:
         """Predicted output length per request: the ranker's table, else all equal (1.0)."""
@@ -360,7 +375,16 @@ class StreamGenerationService:
         if hasattr(self.dispatch, "observe"):
             self.dispatch.observe(actual)
         if self.ranker is not None:
-            self.ranker.observe([r.prompt_id for r in requests], actual)
+            traces = None
+            if getattr(self.ranker.ranker, "uses_traces", False):
+                from streamrl.ranker.reweighted import Trace
+
+                by_id = {c.request_id: c for c in done}
+                # A completion without a log-prob per token (an engine not asked for them) has no
+                # behaviour probability to weigh against: its length counts unweighted.
+                traces = [Trace(tuple(c.output_ids), float(sum(c.logprobs)))
+                          if len(c.logprobs) == len(c.output_ids) else None for c in (by_id[i] for i in ids)]
+            self.ranker.observe([r.prompt_id for r in requests], actual, traces)
             self._metrics.update(self.ranker.metrics())
 
     def take_metrics(self) -> dict[str, float]:

@@ -1,0 +1,240 @@
+"""History reweighted to the current policy: an off-policy estimate of each prompt's mean length.
+
+The history ranker (``history.py``) predicts a prompt's output length from what the policy did
+with it in earlier epochs. During RL that history is a whole epoch old (16 iterations on the
+default run), and the policy has moved: which prompts it now runs away on, or now finishes, has
+changed. This ranker keeps the earlier *responses*, not only their lengths, and asks the
+current policy how likely each one is now. Self-normalised importance sampling then turns the
+old samples into an estimate of the current policy's expected length::
+
+    prompt k, earlier responses y_1..y_m, lengths L_j, behaviour log-probs b_j (the sampling
+    policy's, logged with every sample), current policy pi:
+        d_j = log pi(y_j | k) - b_j                      one teacher-forced forward pass
+        w_j = exp(beta * d_j) / sum_i exp(beta * d_i)    beta = 1: plain self-normalised IS;
+                                                         beta < 1 tempers the weights
+        est(k) = sum_j w_j L_j
+
+A prompt with no earlier response gets the prior's score (a text ranker: ``learned``, ``lm``),
+or the median of the recent lengths without one. Only the order of the estimates matters.
+
+Cost and freshness. Scoring a prompt is one forward pass of the policy over its remembered
+responses (``max_samples`` per prompt, the most recent), so scores depend on the installed
+policy: ``set_policy(weights, version)`` installs new weights (built aside, swapped under the
+lock), and each prompt's estimate is cached until the policy or its history changes. The live
+system (``OnlineRanker``) installs each weight version the SGS receives and scores the *next*
+batch in its background thread (``prefetch``), so dispatch reads a table as with the other
+rankers; that batch is then scored under a policy one version older than the one that will
+generate it. On a GPU cluster the same forward pass is a prefill of the remembered responses;
+here it runs in the driver process on the CPU.
+
+Measured (``streamrl rank eval --data samples --checkpoints``): see the README's ranker section.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from streamrl.ranker.base import Ranker, check_samples
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One generated response as this ranker remembers it."""
+
+    output_ids: tuple[int, ...]
+    """The response's tokens as generated (EOS included when generation stopped on it)."""
+    logprob: float
+    """Sum of the sampled tokens' log-probabilities under the policy that generated them."""
+
+
+class ReweightedHistoryRanker(Ranker):
+    """Per-prompt mean of earlier lengths, importance-weighted to the installed policy.
+
+    Args:
+        model_path: the policy checkpoint (``streamrl.models.tiny.load_policy`` format) whose
+            architecture and tokenizer the ranker uses; its weights are the policy until
+            ``set_policy`` installs newer ones. The SGS passes the run's ``policy.path``.
+        beta: temper of the importance weights, in [0, 1]; 0 is the plain mean of the history.
+        max_samples: responses remembered per prompt (the most recent).
+        prior: ranker name scoring prompts without history (``learned``, ``lm``, or None for the
+            median of the recent lengths); ``prior_kwargs`` are its arguments.
+        batch_tokens: token budget of one forward batch.
+        median_window: recent lengths kept for the median fallback.
+    """
+
+    name = "reweighted"
+    needs_policy = True
+    uses_traces = True
+    rescore_all = False  # scoring costs a forward pass per remembered response: score what is asked
+
+    def __init__(self, model_path: str | None = None, beta: float = 0.5, max_samples: int = 16,
+                 prior: str | None = "learned", prior_kwargs: dict | None = None, batch_tokens: int = 32768,
+                 median_window: int = 4096):
+        if model_path is None:
+            raise ValueError("ranker 'reweighted' needs model_path: the policy checkpoint directory "
+                             "(the run's policy.path)")
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"ranker 'reweighted': beta must be in [0, 1], got {beta}")
+        for name, v in (("max_samples", max_samples), ("batch_tokens", batch_tokens), ("median_window", median_window)):
+            if int(v) < 1:
+                raise ValueError(f"ranker 'reweighted': {name} must be >= 1, got {v}")
+        from streamrl.models.tiny import load_policy
+        from streamrl.ranker.base import make_ranker
+
+        self.model_path = str(model_path)
+        self._model, self._tok = load_policy(model_path)
+        self._model.eval()
+        self.beta, self.max_samples, self.batch_tokens = float(beta), int(max_samples), int(batch_tokens)
+        self.prior = None if prior is None else make_ranker(prior, policy_path=model_path, **(prior_kwargs or {}))
+        self._lock = threading.Lock()
+        self._hist: dict[str, deque[tuple[Trace | None, float]]] = {}
+        self._prompt_ids: dict[str, list[int]] = {}
+        self._changed: dict[str, int] = {}  # key -> history generation (bumped on every new sample)
+        self._cache: dict[str, tuple[int, int, float]] = {}  # key -> (policy version, history gen, estimate)
+        self._recent: deque[float] = deque(maxlen=int(median_window))
+        self.version = -1  # the installed policy's version; -1 = the weights at model_path
+        self.counters = {"forward_responses": 0, "cache_hits": 0}
+
+    # -- traces ------------------------------------------------------------------------------
+    def trace_from_text(self, response: str, finish_reason: str, logprob: float) -> Trace:
+        """The ``Trace`` of a logged response (rollout log row: ``response``, ``finish_reason``, ``logprob``)."""
+        ids = self._tok.encode(response, add_special_tokens=False)
+        if finish_reason == "stop":
+            ids.append(self._tok.eos_token_id)
+        return Trace(tuple(ids), float(logprob))
+
+    def _prompt(self, key: str, text: str) -> list[int]:
+        ids = self._prompt_ids.get(key)
+        if ids is None:
+            bos = self._tok.bos_token_id
+            ids = self._prompt_ids[key] = ([bos] if bos is not None else []) + self._tok.encode(text, add_special_tokens=False)
+        return ids
+
+    def _ingest(self, texts: list[str], lens: np.ndarray, keys: list[str], traces) -> None:
+        if traces is not None and len(traces) != len(keys):
+            raise ValueError(f"traces and texts differ in length: {len(traces)} vs {len(keys)}")
+        with self._lock:
+            for i, (t, n, k) in enumerate(zip(texts, lens.tolist(), keys)):
+                self._prompt(k, t)
+                self._hist.setdefault(k, deque(maxlen=self.max_samples)).append(
+                    (None if traces is None else traces[i], float(n)))
+                self._changed[k] = self._changed.get(k, 0) + 1
+            self._recent.extend(lens.tolist())
+
+    # -- Ranker ------------------------------------------------------------------------------
+    def fit(self, texts, lengths, keys=None, traces: Sequence[Trace | None] | None = None) -> "ReweightedHistoryRanker":
+        texts, lens, keys = check_samples(texts, lengths, keys)
+        if self.prior is not None:
+            self.prior.fit(texts, lens, keys)
+        with self._lock:
+            self._hist.clear()
+            self._changed.clear()
+            self._cache.clear()
+            self._recent.clear()
+        self._ingest(texts, lens, keys, traces)
+        return self
+
+    def update(self, texts, lengths, keys=None, traces: Sequence[Trace | None] | None = None) -> None:
+        texts, lens, keys = check_samples(texts, lengths, keys)
+        if self.prior is not None:
+            self.prior.update(texts, lens, keys)
+        self._ingest(texts, lens, keys, traces)
+
+    def set_policy(self, weights: Mapping | str, version: int) -> None:
+        """Install the policy that scores from now on: a state dict, or a checkpoint directory."""
+        import copy
+
+        from streamrl.models.tiny import load_policy
+
+        if isinstance(weights, (str, bytes)) or hasattr(weights, "__fspath__"):
+            model, _ = load_policy(weights)
+        else:
+            with self._lock:
+                model = copy.deepcopy(self._model)
+            model.load_state_dict(weights)
+        model.eval()
+        with self._lock:
+            self._model, self.version = model, int(version)
+
+    def score(self, texts, keys=None) -> np.ndarray:
+        texts, _, keys = check_samples(texts, None, keys)
+        prior = self.prior.score(texts, keys) if self.prior is not None else None
+        with self._lock:
+            if not self._recent:
+                raise RuntimeError("ReweightedHistoryRanker.score called before fit")
+            out = prior.copy() if prior is not None else np.full(len(keys), float(np.median(self._recent)))
+            model, version = self._model, self.version
+            todo: dict[str, list[tuple[Trace | None, float]]] = {}
+            for i, k in enumerate(keys):
+                if k not in self._hist:
+                    continue
+                hit = self._cache.get(k)
+                if hit is not None and hit[0] == version and hit[1] == self._changed[k]:
+                    out[i] = hit[2]
+                    self.counters["cache_hits"] += 1
+                else:
+                    todo[k] = list(self._hist[k])
+            gens = {k: self._changed[k] for k in todo}
+            prompts = {k: self._prompt_ids[k] for k in todo}
+        if todo:
+            est = self._estimates(model, todo, prompts)
+            with self._lock:
+                for k, v in est.items():
+                    self._cache[k] = (version, gens[k], v)
+                self.counters["forward_responses"] += sum(t is not None for h in todo.values() for t, _ in h)
+            for i, k in enumerate(keys):
+                if k in est:
+                    out[i] = est[k]
+        return out
+
+    # -- the estimate ------------------------------------------------------------------------
+    def _estimates(self, model, todo: dict[str, list], prompts: dict[str, list[int]]) -> dict[str, float]:
+        """Self-normalised, tempered importance-weighted mean length per key."""
+        rows = [(k, j, prompts[k], t) for k, hist in todo.items() for j, (t, _) in enumerate(hist) if t is not None]
+        current = self.response_logprobs(model, [p for _, _, p, _ in rows], [t.output_ids for *_, t in rows])
+        delta: dict[str, np.ndarray] = {k: np.zeros(len(h)) for k, h in todo.items()}
+        for (k, j, _, t), lp in zip(rows, current):
+            delta[k][j] = lp - t.logprob
+        out = {}
+        for k, hist in todo.items():
+            d = self.beta * delta[k]
+            w = np.exp(d - d.max())
+            out[k] = float(np.dot(w, [n for _, n in hist]) / w.sum())
+        return out
+
+    def response_logprobs(self, model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> np.ndarray:
+        """Sum of log pi(response token | prefix) per (prompt, response), teacher-forced, in length-sorted batches."""
+        import torch
+
+        n = len(prompts)
+        out = np.zeros(n)
+        order = sorted(range(n), key=lambda i: len(prompts[i]) + len(responses[i]))
+        pad = self._tok.pad_token_id or 0
+        start = 0
+        with torch.no_grad():
+            while start < n:
+                stop = start + 1
+                while stop < n and (stop - start + 1) * (len(prompts[order[stop]]) + len(responses[order[stop]])) <= self.batch_tokens:
+                    stop += 1
+                idx = order[start:stop]
+                width = max(len(prompts[i]) + len(responses[i]) for i in idx)
+                x = torch.full((len(idx), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(idx), width), dtype=torch.long)
+                for r, i in enumerate(idx):
+                    ids = list(prompts[i]) + list(responses[i])
+                    x[r, :len(ids)] = torch.tensor(ids)
+                    mask[r, :len(ids)] = 1
+                logits = model(input_ids=x, attention_mask=mask).logits
+                for r, i in enumerate(idx):
+                    p, m = len(prompts[i]), len(responses[i])
+                    if m == 0:
+                        continue
+                    lp = torch.log_softmax(logits[r, p - 1:p + m - 1].float(), dim=-1)
+                    out[i] = float(lp.gather(1, torch.tensor(responses[i]).view(-1, 1)).sum())
+                start = stop
+        return out
