@@ -259,6 +259,8 @@ def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_sess
         first = list(sgs.generate(_requests_for(tiny_policy_dir, cfg, prompts, "a")))
         cold = sgs.take_metrics()
         assert set(cold) >= {"rank/recall@20%", "rank/recall@10%", "rank/recall@5%", "rank/spearman"}
+        # per prompt too: before the first fit every group is predicted alike, so recall is k / n groups
+        assert cold["rank/group/recall@20%"] == pytest.approx(2 / 8) and cold["rank/group/recall@5%"] == pytest.approx(1 / 8)
         assert sgs.ranker.wait(timeout=60)  # the refresh ran in the background after the batch
         second = _requests_for(tiny_policy_dir, cfg, prompts, "b")
         sgs.submit(second)

@@ -372,6 +372,16 @@ class StreamGenerationService:
             self._moved_running.discard(i)
         if self.ranker is not None or given:
             self._metrics.update(batch_rank_metrics([predicted[i] for i in ids], actual))
+            # Per prompt too (GRPO's dispatch unit): truth is the group's mean length.
+            groups: dict[str, list[float]] = {}
+            for r, n in zip(requests, actual):
+                groups.setdefault(r.prompt_id, []).append(n)
+            if len(groups) < len(requests):
+                first = {}
+                for r in requests:
+                    first.setdefault(r.prompt_id, predicted[r.request_id])
+                self._metrics.update(batch_rank_metrics([first[k] for k in groups],
+                                                        [sum(v) / len(v) for v in groups.values()], prefix="rank/group/"))
         if hasattr(self.dispatch, "observe"):
             self.dispatch.observe(actual)
         if self.ranker is not None:
