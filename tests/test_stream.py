@@ -133,17 +133,26 @@ def _run(cfg):
         pipe.finish()
         trained = pipe.trained_ids()
         events = pipe.timeline.events()
+        late = pipe.unreported_train_metrics()
     finally:
         pipe.shutdown()
-    return sent, trained, per_iter, events
+    return sent, trained, per_iter, events, late
 
 
 @pytest.mark.parametrize("mode", ["stream-sync", "stream-async"])
 def test_pipeline_trains_every_sample_once_and_respects_versions(ray_session, tiny_policy_dir, mode):
     cfg = _cfg(tiny_policy_dir, f"mode={mode}", "run.iterations=3", "trainer.step_tokens=60",
                "generation.num_instances=1")
-    sent, trained, per_iter, events = _run(cfg)
+    sent, trained, per_iter, events, late = _run(cfg)
     assert sorted(sent) == sorted(trained) and len(set(trained)) == len(trained)
+    # every training step's metrics come out exactly once: with its own step (sync), or with a
+    # later step or after the run, named by train/iteration (async)
+    if mode == "stream-sync":
+        assert all("time/train_s" in m for _, _, m in per_iter) and late == []
+    else:
+        reported = [m["train/iteration"] for _, _, m in per_iter if "train/iteration" in m] + [it for it, _ in late]
+        assert sorted(reported) == [0, 1, 2]
+        assert all("time/train_s" in m for it, m in late)
     for it, samples, _ in per_iter:
         versions = {s.completion.version_start for s in samples}
         if mode == "stream-sync":

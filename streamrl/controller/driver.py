@@ -152,6 +152,8 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
             if cfg.run.keep_checkpoints:
                 shutil.copytree(ckpt / "policy", out / "checkpoints" / f"iter-{it + 1}", dirs_exist_ok=True)
     pipeline.finish()
+    for trained_it, train_metrics in getattr(pipeline, "unreported_train_metrics", list)():
+        logger.log(trained_it + 1, train_metrics, echo=False)  # async: the last steps finish after the loop
     rl_seconds = time.time() - t_run
     timeline = getattr(pipeline, "timeline", None)
     if timeline is not None and len(timeline):

@@ -105,6 +105,7 @@ class DisaggPipeline:
         self.sgs.update(ray.get(self.trainer.publish.remote()), 0)
         self.pending: dict[int, ray.ObjectRef] = {}
         self.results: dict[int, dict] = {}
+        self._reported: set[int] = set()  # iterations whose training metrics went out with a step
         self.timeline = Timeline()
         self._last_step_end = None
 
@@ -181,19 +182,32 @@ class DisaggPipeline:
             res = self._result(iteration)
             self.sgs.update(res["handle"], res["version"])
             metrics.update(res["metrics"])
+            self._reported.add(iteration)
         else:
             # Never block here: the trainer may still be on iteration - 1 (that is the overlap).
             for it in [it for it, ref in self.pending.items() if it < iteration]:
                 if ray.wait([self.pending[it]], timeout=0)[0]:
                     self._result(it)
-            if iteration - 1 in self.results:
-                metrics.update(self.results[iteration - 1]["metrics"])
+            # The oldest finished training step not reported yet (usually iteration - 1; one
+            # that finished late is reported here, not lost), named by ``train/iteration``.
+            late = sorted(set(self.results) - self._reported)
+            if late:
+                metrics.update(self.results[late[0]]["metrics"])
+                metrics["train/iteration"] = late[0]
+                self._reported.add(late[0])
         metrics["time/step_s"] = time.time() - (self._last_step_end or t0)
         self._last_step_end = time.time()
         # Instance events only: a call to the trainer actor would queue behind its training
         # work and turn the asynchronous pipeline back into a synchronous one.
         self._collect_events(trainer=self.mode != "stream-async")
         return samples, metrics
+
+    def unreported_train_metrics(self) -> list[tuple[int, dict]]:
+        """``(iteration, metrics)`` of finished training steps no ``step`` has returned yet (the
+        last ones of an asynchronous run, after ``finish``); each is returned once."""
+        late = sorted(set(self.results) - self._reported)
+        self._reported.update(late)
+        return [(it, {**self.results[it]["metrics"], "train/iteration": it}) for it in late]
 
     def finish(self) -> None:
         """Wait for every pending training result and install the newest weights."""
