@@ -242,10 +242,11 @@ def test_rebalancing_reads_no_progress_while_every_instance_has_a_full_batch(ray
     """Progress is only read when a check could act (some instance with free slots); while both
     instances run a full batch with more queued, polls are plain and nothing is moved."""
     sgs, requests = _two_instances_eos_off(tiny_policy_dir, 8, 3, "fp", "generation.max_requests_per_batch=2",
-                                           "generation.max_new_tokens=200", "generation.dispatch=round-robin")
+                                           "generation.max_new_tokens=400", "generation.dispatch=round-robin")
     try:
         sgs.submit(requests)  # 4 per instance, 2 running each: every instance is full
-        assert sgs.poll(timeout=0.3) == []  # 200 tokens each: nothing can have finished yet
+        # 400 tokens each: nothing can have finished yet (an idle core decodes 200 in about 0.28 s)
+        assert sgs.poll(timeout=0.1) == []
         assert sgs._progress == {} and sgs.counters["sgs/rebalance_rounds"] == 0
         done = _drain(sgs, [r.request_id for r in requests])
     finally:
