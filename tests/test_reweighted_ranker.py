@@ -45,13 +45,14 @@ def test_estimate_is_self_normalised_importance_sampling_worked_by_hand(tiny_pol
         assert ranker.score(["U 96,1:"], ["k"])[0] == pytest.approx(expected, rel=1e-6), beta
 
 
-def test_response_logprobs_equal_the_engines_sampled_logprobs(tiny_policy_dir):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_response_logprobs_equal_the_engines_sampled_logprobs(tiny_policy_dir, temperature):
     from streamrl.models.tiny import encode_prompt, load_policy
     from streamrl.sgs.engines.base import make_engine
     from streamrl.types import GenRequest
 
     model, tok = load_policy(tiny_policy_dir)
-    engine = make_engine("transformers", model, temperature=1.0, eos_token_id=tok.eos_token_id,
+    engine = make_engine("transformers", model, temperature=temperature, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, num_blocks=128, page_size=32, max_batch_tokens=256,
                          max_requests_per_batch=4, seed=0)
     texts = ["U 96,1:", "D 412,2:", "U 150,3:", "D 207,1:"]
@@ -65,7 +66,7 @@ def test_response_logprobs_equal_the_engines_sampled_logprobs(tiny_policy_dir):
             done += got
     finally:
         engine.shutdown()
-    ranker = _ranker(tiny_policy_dir)
+    ranker = _ranker(tiny_policy_dir, temperature=temperature)
     lp = ranker.response_logprobs(ranker._model, [c.prompt_ids for c in done], [c.output_ids for c in done])
     np.testing.assert_allclose(lp, [sum(c.logprobs) for c in done], atol=1e-3)
 

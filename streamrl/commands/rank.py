@@ -45,6 +45,8 @@ def register(sub) -> None:
                    help="versions between the scoring policy and the generating one (1: the live ranker scores "
                         "the next batch ahead)")
     p.add_argument("--beta", type=float, default=None, help="ranker reweighted: temper of the importance weights")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="ranker reweighted: the run's sampling temperature (its logged log-probs are under it)")
     p.add_argument("--decay", type=float, default=1.0, help="history/blend weight decay per step, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p)
@@ -71,7 +73,8 @@ def run_eval(args) -> int:
             raise SystemExit(f"streamrl rank eval: ranker {name!r} runs the policy: give its checkpoint with --model DIR")
     if args.policy_lag < 0:
         raise SystemExit(f"streamrl rank eval: --policy-lag must be >= 0, got {args.policy_lag}")
-    reweighted = {"model_path": args.model, **({} if args.beta is None else {"beta": args.beta})}
+    reweighted = {"model_path": args.model, "temperature": args.temperature,
+                  **({} if args.beta is None else {"beta": args.beta})}
     kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}, "lm": {"model_path": args.model},
               "reweighted": reweighted}
     policy_at = None

@@ -96,11 +96,12 @@ class PromptLengthRanker(Ranker):
         check_samples(texts, lengths, keys)
 
 
-def make_ranker(name: str, policy_path: str | None = None, **kwargs) -> Ranker:
+def make_ranker(name: str, policy_path: str | None = None, temperature: float | None = None, **kwargs) -> Ranker:
     """Build the ranker registered under ``name``; unknown names fail with the known ones listed.
 
-    Rankers that fine-tune a model (``needs_policy``, e.g. ``lm``) start from ``policy_path``
-    unless their kwargs name a ``model_path``.
+    Rankers that fine-tune or run a model (``needs_policy``, e.g. ``lm``) start from
+    ``policy_path`` unless their kwargs name a ``model_path``. Rankers that weigh sampled
+    responses (``uses_traces``) get the sampling ``temperature`` unless their kwargs name one.
     """
     if name not in RANKERS:
         raise ValueError(f"unknown ranker {name!r}; known: {sorted(RANKERS)}")
@@ -108,4 +109,6 @@ def make_ranker(name: str, policy_path: str | None = None, **kwargs) -> Ranker:
     cls = getattr(importlib.import_module(module_name), cls_name)
     if getattr(cls, "needs_policy", False) and kwargs.get("model_path") is None:
         kwargs["model_path"] = policy_path
+    if getattr(cls, "uses_traces", False) and temperature is not None:
+        kwargs.setdefault("temperature", temperature)
     return cls(**kwargs)

@@ -63,6 +63,9 @@ class OnlineRanker:
         self.ranker = ranker
         self.default_length = float(default_length)
         self.refresh_enabled = refresh
+        # False for rankers whose scores cost a policy forward pass per remembered response
+        # (``reweighted``): the table then holds only what was prefetched or asked for.
+        self._rescore_all = getattr(ranker, "rescore_all", True)
         self._lock = threading.Lock()
         self._texts: dict[str, str] = {}
         self._table: dict[str, float] = {}
@@ -86,7 +89,7 @@ class OnlineRanker:
             for k, t in zip(keys, texts):
                 self._texts.setdefault(str(k), t)
             self._table.clear()
-        if getattr(self.ranker, "rescore_all", True):
+        if self._rescore_all:
             self._rescore()
 
     def register(self, keys: Sequence[str], texts: Sequence[str]) -> None:
@@ -97,7 +100,7 @@ class OnlineRanker:
         with self._lock:
             self._texts.update(zip(keys, texts))
             fitted = self._fitted
-        if fitted and getattr(self.ranker, "rescore_all", True):
+        if fitted and self._rescore_all:
             scores = self.ranker.score(list(texts), keys)
             with self._lock:
                 self._table.update(zip(keys, scores.tolist()))
@@ -160,7 +163,7 @@ class OnlineRanker:
     def prefetch(self, keys: Sequence[str]) -> None:
         """Queue scoring ``keys`` (the next batch) ahead of their dispatch; a no-op when the table is complete."""
         self._raise_if_failed()
-        if getattr(self.ranker, "rescore_all", True):
+        if self._rescore_all:
             return
         with self._lock:
             keys = [str(k) for k in keys if str(k) in self._texts]
@@ -216,7 +219,7 @@ class OnlineRanker:
             self.ranker.fit(texts, lens, keys, **extra)
             with self._lock:
                 self._fitted = True
-        if getattr(self.ranker, "rescore_all", True):
+        if self._rescore_all:
             self._rescore()
         else:
             with self._lock:

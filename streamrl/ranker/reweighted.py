@@ -71,6 +71,8 @@ class ReweightedHistoryRanker(Ranker):
             median of the recent lengths); ``prior_kwargs`` are its arguments.
         batch_tokens: token budget of one forward batch.
         median_window: recent lengths kept for the median fallback.
+        temperature: the sampling temperature the behaviour log-probs were computed at (the
+            engine reports them under ``softmax(logits / T)``); the SGS passes the run's.
     """
 
     name = "reweighted"
@@ -80,10 +82,12 @@ class ReweightedHistoryRanker(Ranker):
 
     def __init__(self, model_path: str | None = None, beta: float = 0.5, max_samples: int = 16,
                  prior: str | None = "learned", prior_kwargs: dict | None = None, batch_tokens: int = 32768,
-                 median_window: int = 4096):
+                 median_window: int = 4096, temperature: float = 1.0):
         if model_path is None:
             raise ValueError("ranker 'reweighted' needs model_path: the policy checkpoint directory "
                              "(the run's policy.path)")
+        if not temperature > 0:
+            raise ValueError(f"ranker 'reweighted': temperature must be > 0, got {temperature}")
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"ranker 'reweighted': beta must be in [0, 1], got {beta}")
         for name, v in (("max_samples", max_samples), ("batch_tokens", batch_tokens), ("median_window", median_window)):
@@ -96,6 +100,7 @@ class ReweightedHistoryRanker(Ranker):
         self._model, self._tok = load_policy(model_path)
         self._model.eval()
         self.beta, self.max_samples, self.batch_tokens = float(beta), int(max_samples), int(batch_tokens)
+        self.temperature = float(temperature)
         self.prior = None if prior is None else make_ranker(prior, policy_path=model_path, **(prior_kwargs or {}))
         self._lock = threading.Lock()
         self._hist: dict[str, deque[tuple[Trace | None, float]]] = {}
@@ -217,6 +222,8 @@ class ReweightedHistoryRanker(Ranker):
         """Sum of log pi(response token | prefix) per (prompt, response), teacher-forced, in length-sorted batches."""
         import torch
 
+        from streamrl.trainer.losses import token_logprobs
+
         n = len(prompts)
         out = np.zeros(n)
         order = sorted(range(n), key=lambda i: len(prompts[i]) + len(responses[i]))
@@ -238,9 +245,8 @@ class ReweightedHistoryRanker(Ranker):
                 logits = model(input_ids=x, attention_mask=mask).logits
                 for r, i in enumerate(idx):
                     p, m = len(prompts[i]), len(responses[i])
-                    if m == 0:
-                        continue
-                    lp = torch.log_softmax(logits[r, p - 1:p + m - 1].float(), dim=-1)
-                    out[i] = float(lp.gather(1, torch.tensor(responses[i]).view(-1, 1)).sum())
+                    if m:  # logits at position t score token t + 1
+                        lp = token_logprobs(logits[r:r + 1, p - 1:p + m - 1], x[r:r + 1, p:p + m], self.temperature)
+                        out[i] = float(lp.sum())
                 start = stop
         return out

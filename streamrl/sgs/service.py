@@ -102,7 +102,8 @@ def make_online_ranker(cfg: Config) -> OnlineRanker | None:
         return None
     from streamrl.ranker.base import make_ranker
 
-    online = OnlineRanker(make_ranker(r.name, policy_path=cfg.policy.path, **r.kwargs), default_length=max(1.0, cfg.generation.max_new_tokens / 2),
+    ranker = make_ranker(r.name, policy_path=cfg.policy.path, temperature=cfg.generation.temperature, **r.kwargs)
+    online = OnlineRanker(ranker, default_length=max(1.0, cfg.generation.max_new_tokens / 2),
                           refresh=r.refresh)
     if r.fit_file:
         from streamrl.ranker.evaluate import load_samples_jsonl
