@@ -120,11 +120,12 @@ class ReweightedHistoryRanker(Ranker):
         return Trace(tuple(ids), float(logprob))
 
     def _prompt(self, key: str, text: str) -> list[int]:
-        ids = self._prompt_ids.get(key)
-        if ids is None:
-            bos = self._tok.bos_token_id
-            ids = self._prompt_ids[key] = ([bos] if bos is not None else []) + self._tok.encode(text, add_special_tokens=False)
-        return ids
+        """The prompt's token ids as the request builder sends them to the engine."""
+        from streamrl.models.tiny import encode_prompt
+
+        if key not in self._prompt_ids:
+            self._prompt_ids[key] = encode_prompt(self._tok, text)
+        return self._prompt_ids[key]
 
     def _ingest(self, texts: list[str], lens: np.ndarray, keys: list[str], traces) -> None:
         if traces is not None and len(traces) != len(keys):
