@@ -375,13 +375,12 @@ class StreamGenerationService:
             self._metrics.update(batch_rank_metrics([predicted[i] for i in ids], actual))
             # Per prompt too (GRPO's dispatch unit): truth is the group's mean length.
             groups: dict[str, list[float]] = {}
+            group_pred: dict[str, float] = {}  # one prediction per prompt (a table lookup by prompt)
             for r, n in zip(requests, actual):
                 groups.setdefault(r.prompt_id, []).append(n)
+                group_pred.setdefault(r.prompt_id, predicted[r.request_id])
             if len(groups) < len(requests):
-                first = {}
-                for r in requests:
-                    first.setdefault(r.prompt_id, predicted[r.request_id])
-                self._metrics.update(batch_rank_metrics([first[k] for k in groups],
+                self._metrics.update(batch_rank_metrics([group_pred[k] for k in groups],
                                                         [sum(v) / len(v) for v in groups.values()], prefix="rank/group/"))
         if hasattr(self.dispatch, "observe"):
             self.dispatch.observe(actual)
