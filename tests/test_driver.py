@@ -37,6 +37,9 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
         (it, k, i) for it in (0, 1) for k in {r["key"] for r in rows} for i in (0, 1)}
     assert all(r["length"] >= 1 and r["text"] and r["finish_reason"] in ("stop", "length") for r in rows)
     assert all(r["logprob"] < 0 for r in rows)  # the behaviour policy's log-prob of the whole response
+    # ... and token by token: one per response token, summing to it
+    assert all(len(r["logprobs"]) == r["length"] and sum(r["logprobs"]) == pytest.approx(r["logprob"], abs=1e-4)
+               for r in rows)
     # every periodic checkpoint's policy is kept beside the latest (the reweighted ranker's eval reads them)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter-1", "iter-2"]
     assert (out / "checkpoints" / "iter-1" / "config.json").is_file()

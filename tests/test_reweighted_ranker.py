@@ -45,6 +45,44 @@ def test_estimate_is_self_normalised_importance_sampling_worked_by_hand(tiny_pol
         assert ranker.score(["U 96,1:"], ["k"])[0] == pytest.approx(expected, rel=1e-6), beta
 
 
+def test_per_decision_estimate_weighs_each_survival_step_by_its_prefix_worked_by_hand(tiny_policy_dir):
+    """Two responses of 5 and 12 tokens; the current policy likes the long one's last token 3x
+    more than the behaviour policy did, every other token equally. One weight per response:
+    (5 + 3 * 12) / 4. Per decision: both alive for t < 5 (S = 1); for 5 <= t < 11 the long one's
+    prefix ratio is still 1 (S = 1/2); its whole ratio 3 decides only t = 11 (S = 3/4)."""
+    from streamrl.ranker.reweighted import _per_decision
+
+    ranker = _ranker(tiny_policy_dir, beta=1.0, estimator="per_decision")
+    p, short = _ids(ranker, "U 96,1:", SHORT[-5:-1])
+    _, long_ = _ids(ranker, "U 96,1:", "97 98 99 10")
+    assert (len(short), len(long_)) == (5, 12)
+    now_short, now_long = ranker.response_token_logprobs(ranker._model, [p, p], [short, long_])
+    behaviour_long = now_long.copy()
+    behaviour_long[-1] -= math.log(3.0)
+    traces = [Trace(tuple(short), float(now_short.sum()), tuple(now_short)),
+              Trace(tuple(long_), float(behaviour_long.sum()), tuple(behaviour_long))]
+    ranker.fit(["U 96,1:"] * 2, [5, 12], ["k", "k"], traces=traces)
+    assert ranker.score(["U 96,1:"], ["k"])[0] == pytest.approx(5 + 6 * 0.5 + 0.75, rel=1e-6)
+    sequence = _ranker(tiny_policy_dir, beta=1.0).fit(["U 96,1:"] * 2, [5, 12], ["k", "k"], traces=traces)
+    assert sequence.score(["U 96,1:"], ["k"])[0] == pytest.approx((5 + 3 * 12) / 4, rel=1e-6)
+    # equal ratios: the plain mean; a trace with only its sum: its whole ratio at its last token
+    assert _per_decision([np.zeros(3), np.zeros(7), np.zeros(0)], np.array([3.0, 7.0, 2.0])) == pytest.approx(4.0)
+    assert _per_decision([np.array([0.0, 0.0, math.log(3.0)]), np.zeros(0)], np.array([3.0, 1.0])) == pytest.approx(
+        1 + 0.5 + 0.75)
+
+
+def test_token_logprobs_must_match_the_response_token_for_token(tiny_policy_dir):
+    with pytest.raises(ValueError, match="2 token log-probs for 3 tokens"):
+        Trace((1, 2, 3), -1.0, (-0.5, -0.5))
+    ranker = _ranker(tiny_policy_dir, estimator="per_decision")
+    trace = ranker.trace_from_text("97 =97", "stop", -2.0, [-0.25] * 7)  # 6 characters and EOS
+    assert len(trace.output_ids) == 7 and trace.token_logprobs == (-0.25,) * 7
+    with pytest.raises(ValueError, match="3 logged token log-probs, but it encodes to 7 tokens"):
+        ranker.trace_from_text("97 =97", "stop", -2.0, [-1.0] * 3)
+    with pytest.raises(ValueError, match="estimator"):
+        _ranker(tiny_policy_dir, estimator="doubly_robust")
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_response_logprobs_equal_the_engines_sampled_logprobs(tiny_policy_dir, temperature):
     from streamrl.models.tiny import encode_prompt, load_policy

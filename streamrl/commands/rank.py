@@ -45,6 +45,9 @@ def register(sub) -> None:
                    help="versions between the scoring policy and the generating one (1: the live ranker scores "
                         "the next batch ahead)")
     p.add_argument("--beta", type=float, default=None, help="ranker reweighted: temper of the importance weights")
+    p.add_argument("--estimator", default=None, choices=("sequence", "per_decision"),
+                   help="ranker reweighted: one importance weight per response (sequence, the default) or "
+                        "per token of the survival curve (per_decision; needs the rollout log's logprobs)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="ranker reweighted: the run's sampling temperature (its logged log-probs are under it)")
     p.add_argument("--decay", type=float, default=1.0, help="history/blend weight decay per step, in (0, 1]")
@@ -74,7 +77,8 @@ def run_eval(args) -> int:
     if args.policy_lag < 0:
         raise SystemExit(f"streamrl rank eval: --policy-lag must be >= 0, got {args.policy_lag}")
     reweighted = {"model_path": args.model, "temperature": args.temperature,
-                  **({} if args.beta is None else {"beta": args.beta})}
+                  **({} if args.beta is None else {"beta": args.beta}),
+                  **({} if args.estimator is None else {"estimator": args.estimator})}
     kwargs = {"history": {"decay": args.decay}, "blend": {"decay": args.decay}, "lm": {"model_path": args.model},
               "reweighted": reweighted}
     policy_at = None

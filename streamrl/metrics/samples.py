@@ -6,12 +6,13 @@ of iterations before k and drops later ones (written after the checkpoint it res
 will be generated again); a fresh run starts an empty file::
 
     {"iteration", "epoch", "key", "text", "sample_idx", "length", "reward", "finish_reason",
-     "version_start", "version_end", "instance", "response", "logprob"}
+     "version_start", "version_end", "instance", "response", "logprob", "logprobs"}
 
 ``logprob`` is the sum of the sampled tokens' log-probabilities under the policy that generated
 them (the behaviour policy), so a later policy's likelihood of the same response can be compared
-with it (importance weights; ``streamrl/ranker/reweighted.py``); null when the engine returned no
-log-prob per token.
+with it (importance weights; ``streamrl/ranker/reweighted.py``); ``logprobs`` the same token by
+token (rounded to 1e-6), for the per-decision estimator. Both are null when the engine returned
+no log-prob per token.
 
 ``epoch`` is how many earlier iterations drew the same prompt: 0 the first time the run saw it, 1
 the second, ... (the prompt stream's epoch where batches do not straddle an epoch boundary). The
@@ -59,7 +60,7 @@ class SampleLog:
                    "text": s.prompt.text, "sample_idx": s.sample_idx, "length": s.num_response_tokens,
                    "reward": s.reward, "finish_reason": c.finish_reason, "version_start": c.version_start,
                    "version_end": c.version_end, "instance": c.instance, "response": s.response_text,
-                   "logprob": float(sum(c.logprobs)) if len(c.logprobs) == len(c.output_ids) else None}
+                   **_logprobs(c)}
             self._file.write(json.dumps(row) + "\n")
         self._visits.update(keys)
         self._file.flush()
@@ -67,3 +68,10 @@ class SampleLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _logprobs(c) -> dict:
+    """``logprob`` and ``logprobs`` of a completion; null when it has no log-prob per token."""
+    if len(c.logprobs) != len(c.output_ids):
+        return {"logprob": None, "logprobs": None}
+    return {"logprob": float(sum(c.logprobs)), "logprobs": [round(float(x), 6) for x in c.logprobs]}

@@ -87,6 +87,8 @@ class LengthRecord:
     """Sum of the sampled tokens' log-probs under the generating policy (the rollout log's ``logprob``)."""
     version: int | None = None
     """Policy version that generated it (the rollout log's ``version_start``)."""
+    token_logprobs: tuple[float, ...] | None = None
+    """The same log-probs token by token (the rollout log's ``logprobs``), when it has them."""
 
 
 @dataclass
@@ -118,7 +120,8 @@ def load_samples_jsonl(path: str | Path, step_field: str = "step") -> list[Lengt
             out.append(LengthRecord(str(row["key"]), str(row["text"]), float(row["length"]), int(row.get(step_field, 0)),
                                     response=row.get("response"), finish_reason=row.get("finish_reason"),
                                     logprob=None if row.get("logprob") is None else float(row["logprob"]),
-                                    version=None if row.get("version_start") is None else int(row["version_start"])))
+                                    version=None if row.get("version_start") is None else int(row["version_start"]),
+                                    token_logprobs=None if row.get("logprobs") is None else tuple(row["logprobs"])))
     if not out:
         raise ValueError(f"{path}: no records")
     return out
@@ -131,7 +134,8 @@ def _traces(ranker: Ranker, recs: Sequence[LengthRecord]) -> dict:
     if not getattr(ranker, "uses_traces", False):
         return {}
     return {"traces": [None if r.response is None or r.logprob is None
-                       else ranker.trace_from_text(r.response, r.finish_reason or "length", r.logprob) for r in recs]}
+                       else ranker.trace_from_text(r.response, r.finish_reason or "length", r.logprob, r.token_logprobs)
+                       for r in recs]}
 
 
 def _fit(factory: Callable[[], Ranker], recs: Sequence[LengthRecord]) -> Ranker:

@@ -47,6 +47,8 @@ import numpy as np
 
 from streamrl.ranker.base import Ranker, check_samples
 
+ESTIMATORS = ("sequence", "per_decision")
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -56,6 +58,13 @@ class Trace:
     """The response's tokens as generated (EOS included when generation stopped on it)."""
     logprob: float
     """Sum of the sampled tokens' log-probabilities under the policy that generated them."""
+    token_logprobs: tuple[float, ...] | None = None
+    """The same log-probabilities token by token (one per ``output_ids``), for the per-decision
+    estimator; None where only the sum is known (that trace's weight then applies as a whole)."""
+
+    def __post_init__(self) -> None:
+        if self.token_logprobs is not None and len(self.token_logprobs) != len(self.output_ids):
+            raise ValueError(f"Trace: {len(self.token_logprobs)} token log-probs for {len(self.output_ids)} tokens")
 
 
 class ReweightedHistoryRanker(Ranker):
@@ -73,6 +82,9 @@ class ReweightedHistoryRanker(Ranker):
         median_window: recent lengths kept for the median fallback.
         temperature: the sampling temperature the behaviour log-probs were computed at (the
             engine reports them under ``softmax(logits / T)``); the SGS passes the run's.
+        estimator: ``sequence`` (one weight per response, above) or ``per_decision`` (the
+            survival curve ``P(L > t)`` estimated at each t with weights over the first t + 1
+            tokens only; see ``_per_decision``).
     """
 
     name = "reweighted"
@@ -82,12 +94,14 @@ class ReweightedHistoryRanker(Ranker):
 
     def __init__(self, model_path: str | None = None, beta: float = 0.5, max_samples: int = 16,
                  prior: str | None = "learned", prior_kwargs: dict | None = None, batch_tokens: int = 32768,
-                 median_window: int = 4096, temperature: float = 1.0):
+                 median_window: int = 4096, temperature: float = 1.0, estimator: str = "sequence"):
         if model_path is None:
             raise ValueError("ranker 'reweighted' needs model_path: the policy checkpoint directory "
                              "(the run's policy.path)")
         if not temperature > 0:
             raise ValueError(f"ranker 'reweighted': temperature must be > 0, got {temperature}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"ranker 'reweighted': estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"ranker 'reweighted': beta must be in [0, 1], got {beta}")
         for name, v in (("max_samples", max_samples), ("batch_tokens", batch_tokens), ("median_window", median_window)):
@@ -101,6 +115,7 @@ class ReweightedHistoryRanker(Ranker):
         self._model.eval()
         self.beta, self.max_samples, self.batch_tokens = float(beta), int(max_samples), int(batch_tokens)
         self.temperature = float(temperature)
+        self.estimator = estimator
         self.prior = None if prior is None else make_ranker(prior, policy_path=model_path, **(prior_kwargs or {}))
         self._lock = threading.Lock()
         self._hist: dict[str, deque[tuple[Trace | None, float]]] = {}
@@ -112,12 +127,18 @@ class ReweightedHistoryRanker(Ranker):
         self.counters = {"forward_responses": 0, "cache_hits": 0}
 
     # -- traces ------------------------------------------------------------------------------
-    def trace_from_text(self, response: str, finish_reason: str, logprob: float) -> Trace:
-        """The ``Trace`` of a logged response (rollout log row: ``response``, ``finish_reason``, ``logprob``)."""
+    def trace_from_text(self, response: str, finish_reason: str, logprob: float,
+                        token_logprobs: Sequence[float] | None = None) -> Trace:
+        """The ``Trace`` of a logged response (rollout log row: ``response``, ``finish_reason``,
+        ``logprob``, ``logprobs``). Per-token log-probs that do not match the re-encoded response
+        token for token are an error: they would weigh the wrong prefixes."""
         ids = self._tok.encode(response, add_special_tokens=False)
         if finish_reason == "stop":
             ids.append(self._tok.eos_token_id)
-        return Trace(tuple(ids), float(logprob))
+        if token_logprobs is not None and len(token_logprobs) != len(ids):
+            raise ValueError(f"response {response[:40]!r}: {len(token_logprobs)} logged token log-probs, "
+                             f"but it encodes to {len(ids)} tokens")
+        return Trace(tuple(ids), float(logprob), None if token_logprobs is None else tuple(map(float, token_logprobs)))
 
     def _prompt(self, key: str, text: str) -> list[int]:
         """The prompt's token ids as the request builder sends them to the engine."""
@@ -206,27 +227,43 @@ class ReweightedHistoryRanker(Ranker):
 
     # -- the estimate ------------------------------------------------------------------------
     def _estimates(self, model, todo: dict[str, list], prompts: dict[str, list[int]]) -> dict[str, float]:
-        """Self-normalised, tempered importance-weighted mean length per key."""
+        """Self-normalised, tempered importance-weighted mean length per key (``estimator``)."""
         rows = [(k, j, prompts[k], t) for k, hist in todo.items() for j, (t, _) in enumerate(hist) if t is not None]
-        current = self.response_logprobs(model, [p for _, _, p, _ in rows], [t.output_ids for *_, t in rows])
-        delta: dict[str, np.ndarray] = {k: np.zeros(len(h)) for k, h in todo.items()}
+        current = self.response_token_logprobs(model, [p for _, _, p, _ in rows], [t.output_ids for *_, t in rows])
+        # Per response, the cumulative log-ratio after each of its tokens (empty: no trace, ratio 0).
+        cum: dict[str, list[np.ndarray]] = {k: [np.zeros(0)] * len(h) for k, h in todo.items()}
         for (k, j, _, t), lp in zip(rows, current):
-            delta[k][j] = lp - t.logprob
+            if t.token_logprobs is None or self.estimator == "sequence":
+                step = np.zeros(len(lp))
+                step[-1] = lp.sum() - t.logprob  # only the whole response's ratio is known (or used)
+            else:
+                step = lp - np.asarray(t.token_logprobs)
+            cum[k][j] = np.cumsum(self.beta * step)
         out = {}
         for k, hist in todo.items():
-            d = self.beta * delta[k]
-            w = np.exp(d - d.max())
-            out[k] = float(np.dot(w, [n for _, n in hist]) / w.sum())
+            lengths = np.array([n for _, n in hist], dtype=float)
+            if self.estimator == "sequence":
+                d = np.array([c[-1] if len(c) else 0.0 for c in cum[k]])
+                w = np.exp(d - d.max())
+                out[k] = float(np.dot(w, lengths) / w.sum())
+            else:
+                out[k] = _per_decision(cum[k], lengths)
         return out
 
     def response_logprobs(self, model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> np.ndarray:
-        """Sum of log pi(response token | prefix) per (prompt, response), teacher-forced, in length-sorted batches."""
+        """Sum of log pi(response token | prefix) per (prompt, response), teacher-forced."""
+        return np.array([lp.sum() for lp in self.response_token_logprobs(model, prompts, responses)])
+
+    def response_token_logprobs(self, model, prompts: Sequence[Sequence[int]],
+                                responses: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """log pi(response token | prefix) per token of each (prompt, response), teacher-forced, in
+        length-sorted batches of at most ``batch_tokens``."""
         import torch
 
         from streamrl.trainer.losses import token_logprobs
 
         n = len(prompts)
-        out = np.zeros(n)
+        out = [np.zeros(len(r)) for r in responses]
         order = sorted(range(n), key=lambda i: len(prompts[i]) + len(responses[i]))
         pad = self._tok.pad_token_id or 0
         start = 0
@@ -248,6 +285,27 @@ class ReweightedHistoryRanker(Ranker):
                     p, m = len(prompts[i]), len(responses[i])
                     if m:  # logits at position t score token t + 1
                         lp = token_logprobs(logits[r:r + 1, p - 1:p + m - 1], x[r:r + 1, p:p + m], self.temperature)
-                        out[i] = float(lp.sum())
+                        out[i] = lp[0].double().numpy()
                 start = stop
         return out
+
+
+def _per_decision(cum: Sequence[np.ndarray], lengths: np.ndarray) -> float:
+    """Expected length as the sum of a per-decision importance-weighted survival curve.
+
+    ``E[L] = sum_t P(L > t)``. Whether response j is still running after t tokens depends on its
+    first t + 1 tokens only, so ``P(L > t)`` is estimated with each response weighted by its
+    likelihood ratio over those tokens, ``exp(cum_j[min(t, n_j - 1)])`` (a finished response keeps
+    its whole ratio; one without a trace, ``cum_j`` empty, has ratio 1), self-normalised at each t.
+    Ratios of tokens after t, which do not decide the event, are left out: the per-decision
+    estimator of off-policy evaluation (Precup, Sutton and Singh, 2000), lower in variance than one
+    weight per whole response. With equal ratios it is the plain mean of ``lengths``."""
+    horizon = int(np.ceil(lengths.max()))
+    t = np.arange(horizon)
+    logw = np.zeros((len(lengths), horizon))
+    for j, c in enumerate(cum):
+        if len(c):
+            logw[j] = c[np.minimum(t, len(c) - 1)]
+    w = np.exp(logw - logw.max(axis=0, keepdims=True))
+    alive = lengths[:, None] > t[None, :]
+    return float(((w * alive).sum(axis=0) / w.sum(axis=0)).sum())

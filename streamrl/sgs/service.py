@@ -392,7 +392,7 @@ class StreamGenerationService:
                 by_id = {c.request_id: c for c in done}
                 # A completion without a log-prob per token (an engine not asked for them) has no
                 # behaviour probability to weigh against: its length counts unweighted.
-                traces = [Trace(tuple(c.output_ids), float(sum(c.logprobs)))
+                traces = [Trace(tuple(c.output_ids), float(sum(c.logprobs)), tuple(c.logprobs))
                           if len(c.logprobs) == len(c.output_ids) else None for c in (by_id[i] for i in ids)]
             self.ranker.observe([r.prompt_id for r in requests], actual, traces)
             self._metrics.update(self.ranker.metrics())
