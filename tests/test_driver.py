@@ -1,6 +1,7 @@
 """The RL driver end to end (colocated mode, tiny policy): metrics, checkpoint, resume."""
 
 import json
+import pytest
 
 from streamrl.config import load_config
 
@@ -40,6 +41,7 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
     # ... and token by token: one per response token, summing to it
     assert all(len(r["logprobs"]) == r["length"] and sum(r["logprobs"]) == pytest.approx(r["logprob"], abs=1e-4)
                for r in rows)
+    assert all(len(r["output_ids"]) == r["length"] for r in rows)  # the generated ids, EOS included
     # every periodic checkpoint's policy is kept beside the latest (the reweighted ranker's eval reads them)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter-1", "iter-2"]
     assert (out / "checkpoints" / "iter-1" / "config.json").is_file()

@@ -75,10 +75,16 @@ def test_token_logprobs_must_match_the_response_token_for_token(tiny_policy_dir)
     with pytest.raises(ValueError, match="2 token log-probs for 3 tokens"):
         Trace((1, 2, 3), -1.0, (-0.5, -0.5))
     ranker = _ranker(tiny_policy_dir, estimator="per_decision")
-    trace = ranker.trace_from_text("97 =97", "stop", -2.0, [-0.25] * 7)  # 6 characters and EOS
+    trace = ranker.trace_of("97 =97", "stop", -2.0, [-0.25] * 7)  # 6 characters and EOS
     assert len(trace.output_ids) == 7 and trace.token_logprobs == (-0.25,) * 7
-    with pytest.raises(ValueError, match="3 logged token log-probs, but it encodes to 7 tokens"):
-        ranker.trace_from_text("97 =97", "stop", -2.0, [-1.0] * 3)
+    # logged ids win over the text (which can lose a special token sampled mid-response)
+    pad = ranker._tok.pad_token_id
+    ids = (*trace.output_ids[:3], pad, *trace.output_ids[3:])
+    assert ranker.trace_of("97 =97", "stop", -2.0, [-0.25] * 8, ids).output_ids == ids
+    # text only, and it does not line up with the per-token log-probs: only the sum is kept, counted
+    misaligned = ranker.trace_of("97 =97", "stop", -2.0, [-0.25] * 8)
+    assert misaligned.token_logprobs is None and misaligned.logprob == -2.0
+    assert ranker.counters["misaligned_traces"] == 1
     with pytest.raises(ValueError, match="estimator"):
         _ranker(tiny_policy_dir, estimator="doubly_robust")
 

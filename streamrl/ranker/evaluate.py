@@ -89,6 +89,8 @@ class LengthRecord:
     """Policy version that generated it (the rollout log's ``version_start``)."""
     token_logprobs: tuple[float, ...] | None = None
     """The same log-probs token by token (the rollout log's ``logprobs``), when it has them."""
+    output_ids: tuple[int, ...] | None = None
+    """The generated token ids (the rollout log's ``output_ids``), when it has them."""
 
 
 @dataclass
@@ -121,7 +123,8 @@ def load_samples_jsonl(path: str | Path, step_field: str = "step") -> list[Lengt
                                     response=row.get("response"), finish_reason=row.get("finish_reason"),
                                     logprob=None if row.get("logprob") is None else float(row["logprob"]),
                                     version=None if row.get("version_start") is None else int(row["version_start"]),
-                                    token_logprobs=None if row.get("logprobs") is None else tuple(row["logprobs"])))
+                                    token_logprobs=None if row.get("logprobs") is None else tuple(row["logprobs"]),
+                                    output_ids=None if row.get("output_ids") is None else tuple(row["output_ids"])))
     if not out:
         raise ValueError(f"{path}: no records")
     return out
@@ -130,12 +133,13 @@ def load_samples_jsonl(path: str | Path, step_field: str = "step") -> list[Lengt
 def _traces(ranker: Ranker, recs: Sequence[LengthRecord]) -> dict:
     """``{"traces": ...}`` for a ranker that reads responses (``uses_traces``), else ``{}``.
 
-    A record without a logged response or log-prob gives ``None`` (its length counts, unweighted)."""
+    A record without a logged response (text or ids) or log-prob gives ``None`` (its length counts,
+    unweighted)."""
     if not getattr(ranker, "uses_traces", False):
         return {}
-    return {"traces": [None if r.response is None or r.logprob is None
-                       else ranker.trace_from_text(r.response, r.finish_reason or "length", r.logprob, r.token_logprobs)
-                       for r in recs]}
+    return {"traces": [None if r.logprob is None or (r.response is None and r.output_ids is None)
+                       else ranker.trace_of(r.response, r.finish_reason or "length", r.logprob, r.token_logprobs,
+                                            r.output_ids) for r in recs]}
 
 
 def _fit(factory: Callable[[], Ranker], recs: Sequence[LengthRecord]) -> Ranker:

@@ -124,21 +124,31 @@ class ReweightedHistoryRanker(Ranker):
         self._cache: dict[str, tuple[int, int, float]] = {}  # key -> (policy version, history gen, estimate)
         self._recent: deque[float] = deque(maxlen=int(median_window))
         self.version = -1  # the installed policy's version; -1 = the weights at model_path
-        self.counters = {"forward_responses": 0, "cache_hits": 0}
+        self.counters = {"forward_responses": 0, "cache_hits": 0, "misaligned_traces": 0}
 
     # -- traces ------------------------------------------------------------------------------
-    def trace_from_text(self, response: str, finish_reason: str, logprob: float,
-                        token_logprobs: Sequence[float] | None = None) -> Trace:
+    def trace_of(self, response: str | None, finish_reason: str, logprob: float,
+                 token_logprobs: Sequence[float] | None = None, output_ids: Sequence[int] | None = None) -> Trace:
         """The ``Trace`` of a logged response (rollout log row: ``response``, ``finish_reason``,
-        ``logprob``, ``logprobs``). Per-token log-probs that do not match the re-encoded response
-        token for token are an error: they would weigh the wrong prefixes."""
+        ``logprob``, ``logprobs``, ``output_ids``).
+
+        The logged ids are used when the row has them. An older log has only the text, which
+        does not always encode back to the generated ids (a special token sampled mid-response
+        is dropped from the text); per-token log-probs that then do not line up with the
+        re-encoded tokens would weigh the wrong prefixes, so that trace keeps only its sum
+        (counted in ``counters["misaligned_traces"]``)."""
+        lps = None if token_logprobs is None else tuple(map(float, token_logprobs))
+        if output_ids is not None:
+            return Trace(tuple(int(t) for t in output_ids), float(logprob), lps)
+        if response is None:
+            raise ValueError("trace_of needs the response text or its output_ids")
         ids = self._tok.encode(response, add_special_tokens=False)
         if finish_reason == "stop":
             ids.append(self._tok.eos_token_id)
-        if token_logprobs is not None and len(token_logprobs) != len(ids):
-            raise ValueError(f"response {response[:40]!r}: {len(token_logprobs)} logged token log-probs, "
-                             f"but it encodes to {len(ids)} tokens")
-        return Trace(tuple(ids), float(logprob), None if token_logprobs is None else tuple(map(float, token_logprobs)))
+        if lps is not None and len(lps) != len(ids):
+            self.counters["misaligned_traces"] += 1
+            lps = None
+        return Trace(tuple(ids), float(logprob), lps)
 
     def _prompt(self, key: str, text: str) -> list[int]:
         """The prompt's token ids as the request builder sends them to the engine."""
