@@ -1,6 +1,7 @@
 """The RL driver end to end (colocated mode, tiny policy): metrics, checkpoint, resume."""
 
 import json
+
 import pytest
 
 from streamrl.config import load_config
