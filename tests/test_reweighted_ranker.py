@@ -71,6 +71,17 @@ def test_per_decision_estimate_weighs_each_survival_step_by_its_prefix_worked_by
         1 + 0.5 + 0.75)
 
 
+def test_hazard_estimate_is_a_weighted_product_limit_curve_worked_by_hand():
+    """Lengths 3 and 7 (ratio 1 throughout) and 2 (its second token 3x likelier now). At length 2
+    all three run, the 2-token one stops with weight 3 of 5: h(2) = 3/5. At 3 the other two run
+    and one stops: h(3) = 1/2. So P(L > t) = 1, 1, 2/5, 1/5 x 4, and E[L] = 1 + 1 + 0.4 + 0.8."""
+    from streamrl.ranker.reweighted import _hazard
+
+    cum = [np.zeros(3), np.zeros(7), np.array([0.0, math.log(3.0)])]
+    assert _hazard(cum, np.array([3.0, 7.0, 2.0])) == pytest.approx(1 + 1 + 0.4 + 0.8)
+    assert _hazard([np.zeros(3), np.zeros(7), np.zeros(0)], np.array([3.0, 7.0, 2.0])) == pytest.approx(4.0)
+
+
 def test_token_logprobs_must_match_the_response_token_for_token(tiny_policy_dir):
     with pytest.raises(ValueError, match="2 token log-probs for 3 tokens"):
         Trace((1, 2, 3), -1.0, (-0.5, -0.5))

@@ -14,6 +14,16 @@ old samples into an estimate of the current policy's expected length::
                                                          beta < 1 tempers the weights
         est(k) = sum_j w_j L_j
 
+That is the ``sequence`` estimator: one weight per whole response. A 240-token response's
+log-ratio sums 240 terms, so a few responses take all the weight. Two estimators use the
+per-token behaviour log-probs (the rollout log's ``logprobs``, the engine's per-token log-probs
+live) to weigh each event only by the tokens that decide it. ``per_decision``: ``E[L] = sum_t
+P(L > t)``, and whether a response is still running after t tokens depends on its first t + 1
+tokens only, so ``P(L > t)`` is estimated with each response weighted by its ratio over those
+tokens (Precup, Sutton and Singh's per-decision importance sampling). ``hazard``: the same
+curve as a product of weighted stopping chances among the responses still running (a weighted
+Kaplan-Meier). Each reduces to the plain mean with equal ratios.
+
 A prompt with no earlier response gets the prior's score (a text ranker: ``learned``, ``lm``),
 or the median of the recent lengths without one. Only the order of the estimates matters.
 
@@ -47,7 +57,7 @@ import numpy as np
 
 from streamrl.ranker.base import Ranker, check_samples
 
-ESTIMATORS = ("sequence", "per_decision")
+ESTIMATORS = ("sequence", "per_decision", "hazard")
 
 
 @dataclass(frozen=True)
@@ -82,9 +92,8 @@ class ReweightedHistoryRanker(Ranker):
         median_window: recent lengths kept for the median fallback.
         temperature: the sampling temperature the behaviour log-probs were computed at (the
             engine reports them under ``softmax(logits / T)``); the SGS passes the run's.
-        estimator: ``sequence`` (one weight per response, above) or ``per_decision`` (the
-            survival curve ``P(L > t)`` estimated at each t with weights over the first t + 1
-            tokens only; see ``_per_decision``).
+        estimator: ``sequence`` (one weight per response), ``per_decision`` or ``hazard``
+            (the survival curve, each step weighted by the tokens that decide it; above).
     """
 
     name = "reweighted"
@@ -257,7 +266,7 @@ class ReweightedHistoryRanker(Ranker):
                 w = np.exp(d - d.max())
                 out[k] = float(np.dot(w, lengths) / w.sum())
             else:
-                out[k] = _per_decision(cum[k], lengths)
+                out[k] = (_per_decision if self.estimator == "per_decision" else _hazard)(cum[k], lengths)
         return out
 
     def response_logprobs(self, model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> np.ndarray:
@@ -319,3 +328,26 @@ def _per_decision(cum: Sequence[np.ndarray], lengths: np.ndarray) -> float:
     w = np.exp(logw - logw.max(axis=0, keepdims=True))
     alive = lengths[:, None] > t[None, :]
     return float(((w * alive).sum(axis=0) / w.sum(axis=0)).sum())
+
+
+def _hazard(cum: Sequence[np.ndarray], lengths: np.ndarray) -> float:
+    """Expected length from a weighted product-limit survival curve.
+
+    The hazard ``h(t) = P(L = t | L >= t)`` is the weighted share of the responses still running
+    at length t that stop there, each weighted by its ratio over its first t tokens (the t-th
+    token is the one that stops it or not); ``P(L > t) = prod_{s <= t} (1 - h(s))`` and
+    ``E[L] = sum_{t >= 0} P(L > t)``. With equal ratios it is the plain mean of ``lengths``."""
+    horizon = int(np.ceil(lengths.max()))
+    t = np.arange(1, horizon + 1)
+    logw = np.zeros((len(lengths), horizon))
+    for j, c in enumerate(cum):
+        if len(c):
+            logw[j] = c[np.minimum(t - 1, len(c) - 1)]
+    running = lengths[:, None] >= t[None, :]
+    stops = running & (lengths[:, None] < t[None, :] + 1)
+    logw = np.where(running, logw, -np.inf)
+    top = logw.max(axis=0, keepdims=True)
+    w = np.exp(logw - np.where(np.isfinite(top), top, 0.0))
+    denom = w.sum(axis=0)
+    h = np.divide((w * stops).sum(axis=0), denom, out=np.ones(horizon), where=denom > 0)
+    return float(1.0 + np.cumprod(1.0 - h)[:-1].sum())
