@@ -82,6 +82,55 @@ def test_hazard_estimate_is_a_weighted_product_limit_curve_worked_by_hand():
     assert _hazard([np.zeros(3), np.zeros(7), np.zeros(0)], np.array([3.0, 7.0, 2.0])) == pytest.approx(4.0)
 
 
+def test_tree_estimate_uses_the_current_policys_probabilities_along_the_remembered_paths_worked_by_hand():
+    """Two remembered responses, ``a EOS`` (2 tokens) and ``b x EOS`` (3). The current policy takes
+    a / b first with 0.5 / 0.3, so 0.2 leaves the tree at the root, where the mean of the
+    responses through it is 2.5; after ``a`` it ends with 0.7, and the 0.3 that leaves there is
+    valued at that response's length, 2; ``b x`` is 3 whatever it does. So E[L] = 0.5 * 2 + 0.3 * 3
+    + 0.2 * 2.5. A response sampled twice is one path: its probability is the policy's, not a count."""
+    from streamrl.ranker.reweighted import _tree
+
+    lg = math.log
+    a, bx = ((1, 0), np.array([lg(0.5), lg(0.7)]), 2.0), ((2, 5, 0), np.array([lg(0.3), lg(0.9), lg(0.6)]), 3.0)
+    assert _tree([a, bx]) == pytest.approx(0.5 * 2 + 0.3 * 3 + 0.2 * 2.5)
+    assert _tree([a, a, bx]) == pytest.approx(0.5 * 2 + 0.3 * 3 + 0.2 * (2 + 2 + 3) / 3)
+    # the policy now (almost) always takes the long path: the estimate follows it, not the 1:1 count
+    sure = ((2, 5, 0), np.array([lg(0.999), 0.0, 0.0]), 3.0)
+    assert _tree([((1, 0), np.array([lg(0.001), 0.0]), 2.0), sure]) == pytest.approx(0.001 * 2 + 0.999 * 3)
+    # a response cut at the cap is worth its length; one the policy leaves early is worth the lengths past there
+    capped = ((7, 7, 7), np.array([0.0, lg(0.5), 0.0]), 3.0)
+    assert _tree([capped]) == pytest.approx(3.0)
+
+
+def test_tree_estimator_scores_with_the_installed_policy(tiny_policy_dir):
+    """The ranker's ``tree`` score is ``_tree`` over the installed policy's teacher-forced log-probs.
+    The responses are the policy's greedy path and that path cut short by EOS. The test policy is
+    far from sure of either, so most of its mass leaves the tree and the estimate is near their
+    mean; the same policy with its logits scaled 20x follows the greedy path more closely, and the
+    estimate moves towards that path's length."""
+    from streamrl.ranker.reweighted import _tree
+
+    ranker = _ranker(tiny_policy_dir, estimator="tree")
+    p, _ = _ids(ranker, "U 96,1:", "")
+    greedy = []
+    with torch.no_grad():
+        for _ in range(6):
+            greedy.append(int(ranker._model(input_ids=torch.tensor([p + greedy])).logits[0, -1].argmax()))
+    long_, short = greedy + [ranker._tok.eos_token_id], greedy[:3] + [ranker._tok.eos_token_id]
+    traces = [Trace(tuple(short), 0.0), Trace(tuple(long_), 0.0)]  # behaviour log-probs are not used
+    ranker.fit(["U 96,1:"] * 2, [len(short), len(long_)], ["k", "k"], traces=traces)
+    sharp = {k: 20.0 * v if k == "model.norm.weight" else v for k, v in ranker._model.state_dict().items()}
+    scores = []
+    for policy in (None, sharp):
+        if policy is not None:
+            ranker.set_policy(policy, 1)
+        lp = ranker.response_token_logprobs(ranker._model, [p, p], [short, long_])
+        scores.append(ranker.score(["U 96,1:"], ["k"])[0])
+        assert scores[-1] == pytest.approx(_tree([(short, lp[0], len(short)), (long_, lp[1], len(long_))]), rel=1e-6)
+    assert scores[0] == pytest.approx((len(short) + len(long_)) / 2, abs=0.5)
+    assert scores[1] > scores[0] + 0.25, scores
+
+
 def test_token_logprobs_must_match_the_response_token_for_token(tiny_policy_dir):
     with pytest.raises(ValueError, match="2 token log-probs for 3 tokens"):
         Trace((1, 2, 3), -1.0, (-0.5, -0.5))

@@ -45,7 +45,7 @@ def register(sub) -> None:
                    help="versions between the scoring policy and the generating one (1: the live ranker scores "
                         "the next batch ahead)")
     p.add_argument("--beta", type=float, default=None, help="ranker reweighted: temper of the importance weights")
-    p.add_argument("--estimator", default=None, choices=("sequence", "per_decision", "hazard"),
+    p.add_argument("--estimator", default=None, choices=("sequence", "per_decision", "hazard", "tree"),
                    help="ranker reweighted: one importance weight per response (sequence, the default) or "
                         "per token of the survival curve (per_decision; needs the rollout log's logprobs)")
     p.add_argument("--temperature", type=float, default=1.0,

@@ -48,6 +48,7 @@ chosen on the first run; beta = 1 gave .892 .802 .729 and .877 .815 .760.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ import numpy as np
 
 from streamrl.ranker.base import Ranker, check_samples
 
-ESTIMATORS = ("sequence", "per_decision", "hazard")
+ESTIMATORS = ("sequence", "per_decision", "hazard", "tree")
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,9 @@ class ReweightedHistoryRanker(Ranker):
         current = self.response_token_logprobs(model, [p for _, _, p, _ in rows], [t.output_ids for *_, t in rows])
         # Per response, the cumulative log-ratio after each of its tokens (empty: no trace, ratio 0).
         cum: dict[str, list[np.ndarray]] = {k: [np.zeros(0)] * len(h) for k, h in todo.items()}
+        paths: dict[str, list] = {k: [] for k in todo}  # the tree estimator's (ids, current log-probs, length)
         for (k, j, _, t), lp in zip(rows, current):
+            paths[k].append((t.output_ids, lp, todo[k][j][1]))
             if t.token_logprobs is None or self.estimator == "sequence":
                 step = np.zeros(len(lp))
                 step[-1] = lp.sum() - t.logprob  # only the whole response's ratio is known (or used)
@@ -261,7 +264,9 @@ class ReweightedHistoryRanker(Ranker):
         out = {}
         for k, hist in todo.items():
             lengths = np.array([n for _, n in hist], dtype=float)
-            if self.estimator == "sequence":
+            if self.estimator == "tree":
+                out[k] = _tree(paths[k]) if paths[k] else float(lengths.mean())
+            elif self.estimator == "sequence":
                 d = np.array([c[-1] if len(c) else 0.0 for c in cum[k]])
                 w = np.exp(d - d.max())
                 out[k] = float(np.dot(w, lengths) / w.sum())
@@ -351,3 +356,58 @@ def _hazard(cum: Sequence[np.ndarray], lengths: np.ndarray) -> float:
     denom = w.sum(axis=0)
     h = np.divide((w * stops).sum(axis=0), denom, out=np.ones(horizon), where=denom > 0)
     return float(1.0 + np.cumprod(1.0 - h)[:-1].sum())
+
+
+def _tree(paths: Sequence[tuple[Sequence[int], np.ndarray, float]]) -> float:
+    """Expected length under the current policy over the tree of the remembered responses.
+
+    ``paths``: (output ids, the current policy's log-prob of each of those tokens after its prefix,
+    recorded length). The responses form a trie; every node is a prefix, every edge a token the
+    current policy takes there with a probability it gave exactly (teacher-forced), whatever
+    policy sampled it. A node's value is the expected length from it::
+
+        V(leaf) = its length (a response that ended with EOS, or was cut at the cap)
+        V(n)    = sum over children c of pi(c | n) V(n c)  +  (1 - sum_c pi(c | n)) G(n)
+
+    The mass the current policy puts on tokens no remembered response took at ``n`` leaves the
+    tree; ``G(n)``, what such a response's length would be, is the mean length of the remembered
+    responses through ``n`` (at least one token longer than ``n``). So the estimator trusts the
+    policy's own probabilities where the history went and the history's lengths only where it
+    did not: a prompt whose earlier responses the policy now follows closely is estimated from
+    them almost exactly, however few there are, and one where the policy now strays from every
+    remembered path keeps the lengths seen past the point where it strays. With the behaviour
+    policy's own probabilities and responses that never share a prefix, it is near the plain mean.
+    """
+    root: dict = {"kids": {}, "sum": 0.0, "count": 0}
+    for ids, lp, n in paths:
+        node = root
+        node["sum"] += n
+        node["count"] += 1
+        for depth, (tok, logp) in enumerate(zip(ids, lp), 1):
+            kid = node["kids"].get(tok)
+            if kid is None:
+                kid = node["kids"][tok] = {"kids": {}, "sum": 0.0, "count": 0, "logp": float(logp), "depth": depth}
+            node = kid
+            node["sum"] += n
+            node["count"] += 1
+        node["end"] = float(n)
+
+    def value(node: dict) -> float:
+        # Iterative post-order: responses are up to the cap long, deeper than Python's recursion.
+        stack, done = [(node, False)], {}
+        while stack:
+            n, expanded = stack.pop()
+            if not n["kids"]:
+                done[id(n)] = n.get("end", n["sum"] / n["count"])
+            elif not expanded:
+                stack.append((n, True))
+                stack.extend((c, False) for c in n["kids"].values())
+            else:
+                probs = [math.exp(c["logp"]) for c in n["kids"].values()]
+                stay = sum(p * done[id(c)] for p, c in zip(probs, n["kids"].values()))
+                leave = max(0.0, 1.0 - sum(probs))
+                unseen = max(n["sum"] / n["count"], n.get("depth", 0) + 1.0)
+                done[id(n)] = stay + leave * unseen
+        return done[id(node)]
+
+    return value(root)
