@@ -120,8 +120,8 @@ class RankerConfig(_Section):
     """Output-length ranker used by the SGS when dispatch or order needs predicted lengths."""
 
     name: str = Field("blend", description="learned | lm (the policy fine-tuned to predict lengths) | history | "
-                      "blend (history + a text prior: kwargs.prior learned|lm) | reweighted (history importance-"
-                      "weighted to the current policy) | prompt-length | none (equal predictions)")
+                      "blend (history + a text prior: kwargs.prior learned|lm) | reweighted (earlier responses scored by "
+                      "the current policy; kwargs.estimator) | prompt-length | none (equal predictions)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor arguments of the ranker")
     fit_file: str | None = Field(None, description="JSONL of {key, text, length} records to fit on before the "
                                  "first iteration; None = cold start, fitted on the first finished batch")

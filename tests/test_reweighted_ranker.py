@@ -16,7 +16,8 @@ SHORT, LONG = "97 98 99 100 =100", "97 98 99 100 101 102 103 104 105 106 107 108
 
 
 def _ranker(policy_dir, **kw):
-    return make_ranker("reweighted", policy_path=policy_dir, **{"prior": None, **kw})
+    """The ranker without a prior; the importance-weighted ``sequence`` estimator unless ``kw`` names one."""
+    return make_ranker("reweighted", policy_path=policy_dir, **{"prior": None, "estimator": "sequence", **kw})
 
 
 def _ids(ranker, text, response):
@@ -117,8 +118,9 @@ def test_tree_estimator_scores_with_the_installed_policy(tiny_policy_dir):
         for _ in range(6):
             greedy.append(int(ranker._model(input_ids=torch.tensor([p + greedy])).logits[0, -1].argmax()))
     long_, short = greedy + [ranker._tok.eos_token_id], greedy[:3] + [ranker._tok.eos_token_id]
-    traces = [Trace(tuple(short), 0.0), Trace(tuple(long_), 0.0)]  # behaviour log-probs are not used
-    ranker.fit(["U 96,1:"] * 2, [len(short), len(long_)], ["k", "k"], traces=traces)
+    # behaviour log-probs are not used; the short response was sampled twice
+    traces = [Trace(tuple(short), 0.0), Trace(tuple(long_), 0.0), Trace(tuple(short), 0.0)]
+    ranker.fit(["U 96,1:"] * 3, [len(short), len(long_), len(short)], ["k"] * 3, traces=traces)
     sharp = {k: 20.0 * v if k == "model.norm.weight" else v for k, v in ranker._model.state_dict().items()}
     scores = []
     for policy in (None, sharp):
@@ -126,8 +128,10 @@ def test_tree_estimator_scores_with_the_installed_policy(tiny_policy_dir):
             ranker.set_policy(policy, 1)
         lp = ranker.response_token_logprobs(ranker._model, [p, p], [short, long_])
         scores.append(ranker.score(["U 96,1:"], ["k"])[0])
-        assert scores[-1] == pytest.approx(_tree([(short, lp[0], len(short)), (long_, lp[1], len(long_))]), rel=1e-6)
-    assert scores[0] == pytest.approx((len(short) + len(long_)) / 2, abs=0.5)
+        paths = [(short, lp[0], len(short)), (long_, lp[1], len(long_)), (short, lp[0], len(short))]
+        assert scores[-1] == pytest.approx(_tree(paths), rel=1e-6)
+    assert ranker.counters["forward_responses"] == 2 * 2  # one pass per distinct response, per policy
+    assert scores[0] == pytest.approx((2 * len(short) + len(long_)) / 3, abs=0.5)
     assert scores[1] > scores[0] + 0.25, scores
 
 
@@ -234,6 +238,7 @@ def test_reweighted_ranker_names_bad_settings(tiny_policy_dir):
         _ranker(tiny_policy_dir, max_samples=0)
     with pytest.raises(ValueError, match="model_path"):
         make_ranker("reweighted")
+    assert make_ranker("reweighted", policy_path=tiny_policy_dir, prior=None).estimator == "tree"  # the default
     with pytest.raises(ValueError, match="traces"):
         _ranker(tiny_policy_dir).fit(["U 96,1:"], [3.0], ["a"], traces=[])
     with pytest.raises(RuntimeError, match="before fit"):
@@ -330,7 +335,7 @@ def test_the_sgs_feeds_the_ranker_responses_and_policies_and_dispatches_on_the_r
 
     cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "generation.max_new_tokens=30", "generation.n_samples=3",
                              "task.num_eval=4", "logging.tensorboard=false", "generation.dispatch=skewness-aware",
-                             "ranker.name=reweighted", "ranker.kwargs={prior: null, beta: 1.0}"])
+                             "ranker.name=reweighted", "ranker.kwargs={prior: null, beta: 1.0, estimator: sequence}"])
     prompts = make_task(cfg).train_prompts()[:6]
     model, tok = load_policy(tiny_policy_dir)
     builder = RequestBuilder(tok, cfg)

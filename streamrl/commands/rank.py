@@ -46,8 +46,9 @@ def register(sub) -> None:
                         "the next batch ahead)")
     p.add_argument("--beta", type=float, default=None, help="ranker reweighted: temper of the importance weights")
     p.add_argument("--estimator", default=None, choices=("sequence", "per_decision", "hazard", "tree"),
-                   help="ranker reweighted: one importance weight per response (sequence, the default) or "
-                        "per token of the survival curve (per_decision; needs the rollout log's logprobs)")
+                   help="ranker reweighted: the current policy's probabilities over the tree of remembered "
+                        "responses (tree, the default), one importance weight per response (sequence), or per "
+                        "token of the survival curve (per_decision, hazard; need the rollout log's logprobs)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="ranker reweighted: the run's sampling temperature (its logged log-probs are under it)")
     p.add_argument("--decay", type=float, default=1.0, help="history/blend weight decay per step, in (0, 1]")
