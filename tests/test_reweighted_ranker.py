@@ -265,10 +265,18 @@ def test_online_ranker_installs_policies_and_scores_the_next_batch_ahead(tiny_po
     assert (second[0] > second[1]) != first_above
     m = online.metrics()
     assert m["rank/policy_version"] == 3 and m["rank/prefetched"] == 4 and m["rank/scored_on_demand"] == 0
-    online.observe(["a"], [5.0], [None])  # new history drops "a" from the table until scored again
+    # new history for a prompt of the prefetched batch: scored again at once, in the thread
+    online.observe(["a"], [5.0], [None])
+    assert online.wait(timeout=60)
+    third = online.predict(["a", "b"])
+    assert online.metrics()["rank/scored_on_demand"] == 0 and online.metrics()["rank/rescored_ahead"] == 1
+    assert third[0] != second[0] and third[1] == second[1]
+    # for a prompt outside it, new history drops it from the table until it is asked for
+    online.prefetch(["b"])
+    online.observe(["a"], [7.0], [None])
     assert online.wait(timeout=60)
     online.predict(["a", "b"])
-    assert online.metrics()["rank/scored_on_demand"] == 1
+    assert online.metrics()["rank/scored_on_demand"] == 1 and online.metrics()["rank/rescored_ahead"] == 1
     online.close()
 
 

@@ -21,7 +21,9 @@ False``) take two more calls, queued to the same thread in call order:
 
 For them a refresh does not re-score the dataset (a forward pass per remembered response):
 it drops the observed prompts from the table, and ``prefetch`` (or, on a miss, ``predict``
-itself) scores what a batch needs.
+itself) scores what a batch needs. An observed prompt that the last ``prefetch`` also asked for
+(the same prompt at the end of one epoch and the start of the next) is scored again at once, in
+the thread, with its new history, so the next dispatch still finds it in the table.
 
 So dispatch never waits for training or scoring; a batch submitted while a refresh runs uses the
 previous table (one iteration old). The thread does use the driver's CPU: on a 2-core machine
@@ -69,6 +71,7 @@ class OnlineRanker:
         self._lock = threading.Lock()
         self._texts: dict[str, str] = {}
         self._table: dict[str, float] = {}
+        self._ahead: set[str] = set()  # the last prefetch's keys: the next batch
         self._fitted = False
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Condition(self._lock)
@@ -225,19 +228,31 @@ class OnlineRanker:
             with self._lock:
                 for k in keys:
                     self._table.pop(k, None)
+                again = [k for k in dict.fromkeys(keys) if k in self._ahead]
+            if again:
+                self._fill(again)
+                with self._lock:
+                    self.counters["rank/rescored_ahead"] = self.counters.get("rank/rescored_ahead", 0) + len(again)
         with self._lock:
             self.counters["rank/refreshes"] += 1
             self.counters["rank/refresh_s"] = time.perf_counter() - t0
+
+    def _fill(self, keys: list[str]) -> None:
+        """Score ``keys`` now and put them in the table."""
+        with self._lock:
+            texts = [self._texts[k] for k in keys]
+        scores = self.ranker.score(texts, keys)
+        with self._lock:
+            self._table.update(zip(keys, scores.tolist()))
 
     def _score_ahead(self, keys: list[str]) -> None:
         with self._lock:
             if not self._fitted:
                 return
-            texts = [self._texts[k] for k in keys]
+            self._ahead = set(keys)
         t0 = time.perf_counter()
-        scores = self.ranker.score(texts, keys)
+        self._fill(keys)
         with self._lock:
-            self._table.update(zip(keys, scores.tolist()))
             self.counters["rank/prefetched"] = self.counters.get("rank/prefetched", 0) + len(keys)
             self.counters["rank/prefetch_s"] = time.perf_counter() - t0
 
