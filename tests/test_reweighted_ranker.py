@@ -101,6 +101,8 @@ def test_tree_estimate_uses_the_current_policys_probabilities_along_the_remember
     # a response cut at the cap is worth its length; one the policy leaves early is worth the lengths past there
     capped = ((7, 7, 7), np.array([0.0, lg(0.5), 0.0]), 3.0)
     assert _tree([capped]) == pytest.approx(3.0)
+    # a reasoning-length response (far deeper than Python's recursion limit)
+    assert _tree([((5,) * 20000, np.zeros(20000), 20000.0)]) == pytest.approx(20000.0)
 
 
 def test_tree_estimator_scores_with_the_installed_policy(tiny_policy_dir):

@@ -273,7 +273,9 @@ class ReweightedHistoryRanker(Ranker):
         cum: dict[str, list[np.ndarray]] = {k: [np.zeros(0)] * len(h) for k, h in todo.items()}
         paths: dict[str, list] = {k: [] for k in todo}  # the tree estimator's (ids, current log-probs, length)
         for (k, j, _, t), lp in zip(rows, current):
-            paths[k].append((t.output_ids, lp, todo[k][j][1]))
+            if self.estimator == "tree":
+                paths[k].append((t.output_ids, lp, todo[k][j][1]))
+                continue
             if t.token_logprobs is None or self.estimator == "sequence":
                 step = np.zeros(len(lp))
                 step[-1] = lp.sum() - t.logprob  # only the whole response's ratio is known (or used)
@@ -411,22 +413,19 @@ def _tree(paths: Sequence[tuple[Sequence[int], np.ndarray, float]]) -> float:
             node["count"] += 1
         node["end"] = float(n)
 
-    def value(node: dict) -> float:
-        # Iterative post-order: responses are up to the cap long, deeper than Python's recursion.
-        stack, done = [(node, False)], {}
-        while stack:
-            n, expanded = stack.pop()
-            if not n["kids"]:
-                done[id(n)] = n.get("end", n["sum"] / n["count"])
-            elif not expanded:
-                stack.append((n, True))
-                stack.extend((c, False) for c in n["kids"].values())
-            else:
-                probs = [math.exp(c["logp"]) for c in n["kids"].values()]
-                stay = sum(p * done[id(c)] for p, c in zip(probs, n["kids"].values()))
-                leave = max(0.0, 1.0 - sum(probs))
-                unseen = max(n["sum"] / n["count"], n.get("depth", 0) + 1.0)
-                done[id(n)] = stay + leave * unseen
-        return done[id(node)]
-
-    return value(root)
+    # Iterative post-order: a response can be thousands of tokens, deeper than Python's recursion.
+    stack, done = [(root, False)], {}
+    while stack:
+        n, expanded = stack.pop()
+        if not n["kids"]:
+            done[id(n)] = n.get("end", n["sum"] / n["count"])
+        elif not expanded:
+            stack.append((n, True))
+            stack.extend((c, False) for c in n["kids"].values())
+        else:
+            probs = [math.exp(c["logp"]) for c in n["kids"].values()]
+            stay = sum(p * done[id(c)] for p, c in zip(probs, n["kids"].values()))
+            leave = max(0.0, 1.0 - sum(probs))
+            unseen = max(n["sum"] / n["count"], n.get("depth", 0) + 1.0)
+            done[id(n)] = stay + leave * unseen
+    return done[id(root)]
