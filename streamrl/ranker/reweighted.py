@@ -50,12 +50,12 @@ here it runs in the driver process on the CPU.
 Memory: ``max_samples`` responses (token ids) per prompt seen, for every prompt of the dataset.
 
 Measured per GRPO group on the iterations of epochs 1-2 of RL runs of the tiny policy (README,
-ranker section), recall@20/10/5 % and Spearman. Session 11, three runs, each scored by every
+ranker section), recall@20/10/5 % and Spearman. Session 11, four runs, each scored by every
 estimator: ``tree`` .911 .823 .745 .983, .892 .870 .839 .982, and live in the loop .928 .839 .812
-.978 (mean .910 .844 .799); ``sequence`` (beta 0.5) .907 .818 .703, .873 .826 .786, .894 .813
-.740 (mean .891 .819 .743); ``per_decision`` and ``hazard`` between the two at 5 %. ``tree`` is the
-default: it is the best at 5 % on each run. Session 9 (``sequence`` only): .892 .776 .750 and .867
-.805 .760 offline, .889 .820 .719 live; beta = 0.5 was chosen on the first of those runs.
+.978 and .913 .831 .771 .981 (mean .911 .840 .792); ``sequence`` (beta 0.5) mean .896 .822 .750;
+``per_decision`` .903 .821 .754; ``hazard`` .908 .826 .757. ``tree`` is the default: the best on
+the mean at every cut. Session 9 (``sequence`` only): .892 .776 .750 and .867 .805 .760 offline,
+.889 .820 .719 live; beta = 0.5 was chosen on the first of those runs.
 """
 
 from __future__ import annotations
