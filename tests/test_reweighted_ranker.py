@@ -379,3 +379,15 @@ def test_the_sgs_feeds_the_ranker_responses_and_policies_and_dispatches_on_the_r
         d = np.array([r[0] for r in rows])
         w = np.exp(d - d.max())
         assert pred[key] == pytest.approx(float(np.dot(w, [r[1] for r in rows]) / w.sum()), rel=1e-5)
+
+
+def test_rank_eval_offers_every_estimator_the_ranker_has():
+    from streamrl.cli import build_parser
+    from streamrl.ranker.reweighted import ESTIMATORS
+
+    args = build_parser().parse_args(["rank", "eval", "--data", "samples", "--estimator", "tree"])
+    assert args.estimator == "tree"
+    rank = build_parser()._subparsers._group_actions[0].choices["rank"]
+    evaluate = rank._subparsers._group_actions[0].choices["eval"]
+    choices = next(a.choices for a in evaluate._actions if a.dest == "estimator")
+    assert set(choices) == set(ESTIMATORS)
