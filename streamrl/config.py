@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-MODES = ("colocated", "disagg-batch", "stream-sync", "stream-async")
+from streamrl.modes import MODE_NAMES
 
 
 class ConfigError(ValueError):
@@ -194,7 +194,7 @@ class LoggingConfig(_Section):
 
 
 class Config(_Section):
-    mode: Literal["colocated", "disagg-batch", "stream-sync", "stream-async"] = "colocated"
+    mode: Literal[MODE_NAMES] = "colocated"
     run: RunConfig = RunConfig()
     cluster: ClusterConfig = ClusterConfig()
     policy: PolicyConfig = PolicyConfig()

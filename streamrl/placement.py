@@ -26,8 +26,6 @@ instead of Ray waiting forever for resources that never come.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from streamrl.config import Config, ConfigError
 
@@ -199,27 +197,3 @@ def format_plan(plan: PlacementPlan) -> str:
         lines.append("  GPUs by type: " + ", ".join(f"{k}={v}" for k, v in sorted(used.items())))
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
-
-
-def dry_run(cfg: Config) -> dict[str, Any]:
-    """What ``streamrl train --dry-run`` reports: the plan and the inputs a real run would read
-    (checked for presence here, not loaded: no torch, no Ray, no GPU)."""
-    plan = plan_placement(cfg)
-    policy = Path(cfg.policy.path)
-    report: dict[str, Any] = {
-        "mode": cfg.mode, "engine": cfg.generation.engine, "device": cfg.placement.device,
-        "policy": str(policy), "policy_present": (policy / "config.json").is_file(),
-        "trainer_ranks": len(plan.trainer), "generation_instances": len(plan.generation),
-        "gpus_by_type": plan.gpus_used(), "trainer_strategy": plan.trainer_strategy,
-        "plan": [{"role": b.role, "node": b.node, "gpus": list(b.gpus), "resources": b.resources}
-                 for b in plan.trainer + plan.generation],
-    }
-    if cfg.task.name != "synthetic":
-        from streamrl.tasks.math import DataError, resolve_data_path
-
-        try:
-            path = resolve_data_path(cfg.task.path, cfg.task.name)
-            report["task_file"], report["task_file_present"] = str(path), path.is_file()
-        except DataError as exc:
-            report["task_file"], report["task_file_present"] = f"unresolved: {exc}", False
-    return report

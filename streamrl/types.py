@@ -50,6 +50,10 @@ class Completion:
     """What an engine returns for one finished request."""
 
     request_id: str
+    prompt_id: str
+    """The prompt it answers (``GenRequest.prompt_id``): nothing parses ``request_id``."""
+    sample_idx: int
+    """Its index within the prompt's group (``GenRequest.sample_idx``)."""
     prompt_ids: tuple[int, ...]
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
@@ -83,6 +87,64 @@ class Partial:
     version_start: int | None = None
     """Version installed when the stopped part started (None: it had not started)."""
     t_start: float | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where an instance's unfinished requests stand (``GenerationInstance.progress``): what runtime
+    rebalancing reads to decide what to move."""
+
+    held: tuple[str, ...] = ()
+    """Requests in the instance actor's own queue (not handed to the engine: not started)."""
+    waiting: tuple[str, ...] = ()
+    """Requests queued in the engine that have not started."""
+    running: dict[str, int] = field(default_factory=dict)
+    """Started, unfinished requests: ``request_id`` -> tokens generated so far."""
+    preempt: bool = False
+    """Whether running requests can be stopped and resumed elsewhere (the engine's capability)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stage interval of one worker: what the timeline (``metrics.timeline``) records, and
+    what every actor hands back to the driver."""
+
+    who: str
+    """The row it belongs to: ``"trainer"``, ``"gen-0"``, ``"driver"``."""
+    what: str
+    """The kind of work: ``generate``, ``train``, ``prepare``, ``weight_push``, ``weight_load``,
+    ``eval``, ``idle`` (see ``metrics.timeline.STANDARD_KINDS``)."""
+    iteration: int
+    """RL iteration the work belongs to (-1 when none, e.g. a warm-up)."""
+    version: int
+    """Policy version in use (generating with, training from, or pushing)."""
+    start: float
+    """Wall-clock seconds (``time.time()``)."""
+    end: float
+    meta: dict[str, Any] = field(default_factory=dict)
+    """JSON-able extras: ``{"samples": 8, "tokens": 912, "bytes": 4e6}``."""
+
+    def __post_init__(self) -> None:
+        if not self.end >= self.start:
+            raise ValueError(f"event {self.who}/{self.what} ends before it starts: start={self.start} end={self.end}")
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What the trainer returns once an iteration's last group is trained (``TrainerActor.add_groups``)."""
+
+    iteration: int
+    """The RL iteration it trained."""
+    version: int
+    """The policy version it produced (``iteration + 1`` in a run from scratch)."""
+    handle: Any
+    """The published weights (a ``weights.transfer.WeightHandle``) of ``version``."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``train/...`` and ``time/...`` metrics of the iteration's steps."""
 
 
 @dataclass(frozen=True)

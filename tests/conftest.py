@@ -1,4 +1,9 @@
-"""Shared fixtures: one Ray instance per session, one tiny policy checkpoint per session."""
+"""Shared fixtures: one Ray instance per session, one tiny policy checkpoint per session.
+
+Both are slow to build (Ray starts processes; the policy is SFT-trained), so a test that uses
+either must carry ``@pytest.mark.slow`` (``make test-fast`` runs ``-m "not slow"``: pure logic
+only); collection fails, naming the tests, when one does not.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,15 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SLOW_FIXTURES = ("ray_session", "tiny_policy_dir")
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items if set(SLOW_FIXTURES) & set(getattr(item, "fixturenames", ()))
+                and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError(f"tests using {SLOW_FIXTURES} must be marked @pytest.mark.slow: {unmarked}")
 
 
 @pytest.fixture(scope="session")

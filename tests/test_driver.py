@@ -6,6 +6,8 @@ import pytest
 
 from streamrl.config import load_config
 
+pytestmark = pytest.mark.slow  # Ray, engines and the trainer: a whole training run
+
 
 def _cfg(policy_dir, out, *extra):
     return load_config(None, [f"policy.path={policy_dir}", f"run.out_dir={out}", "generation.max_new_tokens=24",
@@ -59,7 +61,7 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
     assert resumed[:16] == rows and len(resumed) == 24
     assert {r["epoch"] for r in resumed[16:]} == {2} and 999 not in [r["length"] for r in resumed[16:]]
 
-    from streamrl.ranker.evaluate import load_samples_jsonl
+    from streamrl.ranker.records import load_samples_jsonl
 
     records = load_samples_jsonl(out / "samples.jsonl", step_field="epoch")  # `rank eval` reads the log as it is
     assert sorted({r.step for r in records}) == [0, 1, 2] and len(records) == 24

@@ -47,6 +47,7 @@ def collect(engine: GenerationEngine, n: int, timeout: float = 30.0) -> list[Com
     return out
 
 
+@pytest.mark.slow
 def test_cancel_reaches_the_continuous_batching_loop():
     e = make_engine("transformers", tiny_qwen2(), num_blocks=128, page_size=32, max_batch_tokens=256,
                     max_requests_per_batch=16, max_inflight=1, seed=0)
@@ -69,6 +70,7 @@ def test_make_engine_rejects_unknown_names_and_lists_the_known_ones():
     assert set(ENGINES) == {"transformers", "vllm"}
 
 
+@pytest.mark.slow
 def test_varlen_attention_generates_what_dense_attention_generates(monkeypatch):
     """The varlen CB attention (each request attends to its own keys) must give the dense path's
     greedy tokens and log-probs, through chunked prefill mixed with decoding and with grouped KV

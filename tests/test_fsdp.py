@@ -25,7 +25,7 @@ def _cfg(policy_dir):
 
 def _items(trainer: Trainer, n: int, seed: int = 0) -> list[Prepared]:
     """Random responses with on-policy old log-probs (ratio 1: every token gets a gradient)."""
-    from streamrl.trainer import losses
+    from streamrl.models.logprobs import token_logprobs
 
     rng = random.Random(seed)
     vocab = trainer.model.config.vocab_size
@@ -35,7 +35,7 @@ def _items(trainer: Trainer, n: int, seed: int = 0) -> list[Prepared]:
         resp = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 20))]
         ids = torch.tensor([prompt + resp])
         with torch.no_grad():
-            lp = losses.token_logprobs(trainer.model(ids).logits[:, :-1], ids[:, 1:], trainer.temperature)
+            lp = token_logprobs(trainer.model(ids).logits[:, :-1], ids[:, 1:], trainer.temperature)
         old = lp[0, len(prompt) - 1:].tolist()
         adv = rng.uniform(-1, 1)
         items.append(Prepared(input_ids=prompt + resp, resp_start=len(prompt), old_logprobs=old, reward=adv,

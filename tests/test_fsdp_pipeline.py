@@ -96,13 +96,13 @@ def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_sessi
         np.testing.assert_array_equal(fsdp.parameters_vector(), start)  # the ranks loaded the same policy
         res_single = single.add_groups(0, groups, expected=len(groups))
         res_fsdp = [fsdp.add_groups(0, [g], expected=len(groups)) for g in groups][-1]
-        assert res_fsdp["version"] == res_single["version"] == 1 == fsdp.version()
-        assert res_fsdp["metrics"]["train/steps_in_iter"] == res_single["metrics"]["train/steps_in_iter"] > 1
+        assert res_fsdp.version == res_single.version == 1 == fsdp.version()
+        assert res_fsdp.metrics["train/steps_in_iter"] == res_single.metrics["train/steps_in_iter"] > 1
         after = single.parameters_vector()
         assert not np.allclose(after, start, atol=1e-6)
         np.testing.assert_allclose(fsdp.parameters_vector(), after, atol=2e-6, rtol=0)
         assert sorted(fsdp.drain_trained_ids()) == sorted(single.drain_trained_ids())
-        published = unflatten(RayObjectStoreTransport().fetch(res_fsdp["handle"]))  # put by rank 0
+        published = unflatten(RayObjectStoreTransport().fetch(res_fsdp.handle))  # put by rank 0
         assert published.keys() == single.trainer.model.state_dict().keys()
         for name, ref in single.trainer.model.state_dict().items():
             torch.testing.assert_close(published[name], ref, atol=2e-6, rtol=0, msg=lambda m: f"{name}: {m}")
@@ -134,7 +134,8 @@ def _wait_for_cpus(ray, cpus: float, timeout_s: float = 20.0) -> float:
 
 @pytest.mark.slow
 def test_stream_async_with_an_fsdp_trainer_group(ray_session, tiny_policy_dir):
-    from streamrl.controller.common import PromptStream, make_task
+    from streamrl.controller.common import PromptStream
+    from streamrl.tasks.factory import make_task
     from streamrl.controller.driver import RunContext, make_pipeline
     from streamrl.models.tiny import load_policy
 

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer.losses import (
     gae,
     grpo_advantages,
@@ -12,7 +13,6 @@ from streamrl.trainer.losses import (
     masked_mean,
     masked_whiten,
     policy_loss,
-    token_logprobs,
     value_loss,
 )
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from streamrl.config import ConfigError, load_config
-from streamrl.placement import dry_run, plan_placement
+from streamrl.commands.train import dry_run
+from streamrl.placement import plan_placement
 from streamrl.tasks.base import default_data_dir
 
 CONFIGS = Path(__file__).parents[1] / "configs"

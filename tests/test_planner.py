@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from streamrl.planner.estimators import ProfileEstimator, SimEstimator
+from streamrl.sim.estimators import ProfileEstimator, SimEstimator
 from streamrl.planner.plan import plan_cross_dc, plan_single_dc
 from streamrl.policies.latency import LatencyModel, save_profile
 from streamrl.sim.hardware import get_gpu

@@ -30,7 +30,11 @@ def raising_reward(prompt: Prompt, response: str) -> float:
 
 
 def hanging_reward(prompt: Prompt, response: str) -> float:
-    if response == "hang":
+    """``"hang:<path>"`` writes this worker's pid to ``path``, then hangs for a minute."""
+    if response.startswith("hang"):
+        if ":" in response:
+            with open(response.split(":", 1)[1], "w") as f:
+                f.write(str(os.getpid()))
         time.sleep(60)
     return exact_reward(prompt, response)
 
@@ -68,13 +72,21 @@ def test_fast_path_raise_mode_names_prompt_and_exception() -> None:
         runner(PROMPT, "x")
 
 
-def test_fast_path_overhead_is_microseconds() -> None:
-    runner = RewardRunner(exact_reward, fast=True)
-    t0 = time.perf_counter()
-    for _ in range(20_000):
-        runner(PROMPT, "5")
-    per_call = (time.perf_counter() - t0) / 20_000
-    assert per_call < 50e-6, f"fast path costs {per_call * 1e6:.1f} us per call"
+def test_fast_path_calls_the_reward_once_per_call_in_the_callers_thread_and_starts_no_worker(monkeypatch) -> None:
+    def no_process(*args, **kwargs):
+        raise AssertionError("the fast path started a worker process")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)  # what every isolated worker is started with
+    calls = []
+
+    def counted(prompt: Prompt, response: str) -> float:  # a closure: only the fast path accepts it
+        calls.append(threading.get_ident())
+        return exact_reward(prompt, response)
+
+    runner = RewardRunner(counted, fast=True)
+    assert [runner(PROMPT, "5") for _ in range(100)] == [(1.0, {})] * 100
+    assert calls == [threading.get_ident()] * 100  # in this thread, no retry, no extra call
+    assert runner.metrics()["reward/calls"] == 100.0 and runner.metrics()["reward/worker_restarts"] == 0.0
 
 
 def test_non_finite_reward_is_a_counted_error() -> None:
@@ -101,14 +113,17 @@ def test_isolated_reward_that_raises_is_counted_zero_then_raised_in_raise_mode()
             runner(PROMPT, "x")
 
 
-def test_hanging_reward_times_out_fast_and_worker_is_replaced() -> None:
+def test_hanging_reward_times_out_and_its_worker_is_killed_and_replaced(tmp_path) -> None:
+    import psutil
+
+    pid_file = tmp_path / "pid"
     with RewardRunner(hanging_reward, timeout_s=1.0) as runner:
         assert runner(PROMPT, "5") == (1.0, {})  # worker started (startup is not timed)
-        t0 = time.monotonic()
-        reward, info = runner(PROMPT, "hang")
-        elapsed = time.monotonic() - t0
+        reward, info = runner(PROMPT, f"hang:{pid_file}")  # waited out, it would score 0.0 with {}
         assert reward == 0.0 and info == {"error": "timeout after 1.0s"}
-        assert elapsed < 2.0, f"timed-out call took {elapsed:.2f}s"
+        hung = int(pid_file.read_text())
+        # killed and reaped before the call returned, not left sleeping (the pid is gone, or a zombie's)
+        assert not psutil.pid_exists(hung) or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE
         assert runner(PROMPT, "5") == (1.0, {})  # a fresh worker answers
         m = runner.metrics()
         assert (m["reward/calls"], m["reward/errors"], m["reward/timeouts"], m["reward/worker_restarts"]) == (3, 1, 1, 1)

@@ -21,7 +21,7 @@ def _ranker(policy_dir, **kw):
 
 
 def _ids(ranker, text, response):
-    tok = ranker._tok
+    tok = ranker.tokenizer
     return [tok.bos_token_id] + tok.encode(text, add_special_tokens=False), \
         tok.encode(response, add_special_tokens=False) + [tok.eos_token_id]
 
@@ -33,12 +33,13 @@ def _perturbed(model, seed=1, scale=0.3):
             for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_estimate_is_self_normalised_importance_sampling_worked_by_hand(tiny_policy_dir):
     for beta, w_short in ((1.0, 3.0), (0.5, math.sqrt(3.0)), (0.0, 1.0)):
         ranker = _ranker(tiny_policy_dir, beta=beta)
         p, short = _ids(ranker, "U 96,1:", SHORT)
         _, long_ = _ids(ranker, "U 96,1:", LONG)
-        lp_short, lp_long = ranker.response_logprobs(ranker._model, [p, p], [short, long_])
+        lp_short, lp_long = ranker.response_logprobs(ranker.model, [p, p], [short, long_])
         # The short response is 3x likelier now than when it was sampled; the long one unchanged.
         traces = [Trace(tuple(short), lp_short - math.log(3.0)), Trace(tuple(long_), lp_long)]
         ranker.fit(["U 96,1:"] * 2, [len(short), len(long_)], ["k", "k"], traces=traces)
@@ -46,6 +47,7 @@ def test_estimate_is_self_normalised_importance_sampling_worked_by_hand(tiny_pol
         assert ranker.score(["U 96,1:"], ["k"])[0] == pytest.approx(expected, rel=1e-6), beta
 
 
+@pytest.mark.slow
 def test_per_decision_estimate_weighs_each_survival_step_by_its_prefix_worked_by_hand(tiny_policy_dir):
     """Two responses of 5 and 12 tokens; the current policy likes the long one's last token 3x
     more than the behaviour policy did, every other token equally. One weight per response:
@@ -57,7 +59,7 @@ def test_per_decision_estimate_weighs_each_survival_step_by_its_prefix_worked_by
     p, short = _ids(ranker, "U 96,1:", SHORT[-5:-1])
     _, long_ = _ids(ranker, "U 96,1:", "97 98 99 10")
     assert (len(short), len(long_)) == (5, 12)
-    now_short, now_long = ranker.response_token_logprobs(ranker._model, [p, p], [short, long_])
+    now_short, now_long = ranker.response_token_logprobs(ranker.model, [p, p], [short, long_])
     behaviour_long = now_long.copy()
     behaviour_long[-1] -= math.log(3.0)
     traces = [Trace(tuple(short), float(now_short.sum()), tuple(now_short)),
@@ -105,6 +107,7 @@ def test_tree_estimate_uses_the_current_policys_probabilities_along_the_remember
     assert _tree([((5,) * 20000, np.zeros(20000), 20000.0)]) == pytest.approx(20000.0)
 
 
+@pytest.mark.slow
 def test_tree_estimator_scores_with_the_installed_policy(tiny_policy_dir):
     """The ranker's ``tree`` score is ``_tree`` over the installed policy's teacher-forced log-probs.
     The responses are the policy's greedy path and that path cut short by EOS. The test policy is
@@ -118,17 +121,17 @@ def test_tree_estimator_scores_with_the_installed_policy(tiny_policy_dir):
     greedy = []
     with torch.no_grad():
         for _ in range(6):
-            greedy.append(int(ranker._model(input_ids=torch.tensor([p + greedy])).logits[0, -1].argmax()))
-    long_, short = greedy + [ranker._tok.eos_token_id], greedy[:3] + [ranker._tok.eos_token_id]
+            greedy.append(int(ranker.model(input_ids=torch.tensor([p + greedy])).logits[0, -1].argmax()))
+    long_, short = greedy + [ranker.tokenizer.eos_token_id], greedy[:3] + [ranker.tokenizer.eos_token_id]
     # behaviour log-probs are not used; the short response was sampled twice
     traces = [Trace(tuple(short), 0.0), Trace(tuple(long_), 0.0), Trace(tuple(short), 0.0)]
     ranker.fit(["U 96,1:"] * 3, [len(short), len(long_), len(short)], ["k"] * 3, traces=traces)
-    sharp = {k: 20.0 * v if k == "model.norm.weight" else v for k, v in ranker._model.state_dict().items()}
+    sharp = {k: 20.0 * v if k == "model.norm.weight" else v for k, v in ranker.model.state_dict().items()}
     scores = []
     for policy in (None, sharp):
         if policy is not None:
             ranker.set_policy(policy, 1)
-        lp = ranker.response_token_logprobs(ranker._model, [p, p], [short, long_])
+        lp = ranker.response_token_logprobs(ranker.model, [p, p], [short, long_])
         scores.append(ranker.score(["U 96,1:"], ["k"])[0])
         paths = [(short, lp[0], len(short)), (long_, lp[1], len(long_)), (short, lp[0], len(short))]
         assert scores[-1] == pytest.approx(_tree(paths), rel=1e-6)
@@ -137,6 +140,7 @@ def test_tree_estimator_scores_with_the_installed_policy(tiny_policy_dir):
     assert scores[1] > scores[0] + 0.25, scores
 
 
+@pytest.mark.slow
 def test_token_logprobs_must_match_the_response_token_for_token(tiny_policy_dir):
     with pytest.raises(ValueError, match="2 token log-probs for 3 tokens"):
         Trace((1, 2, 3), -1.0, (-0.5, -0.5))
@@ -144,7 +148,7 @@ def test_token_logprobs_must_match_the_response_token_for_token(tiny_policy_dir)
     trace = ranker.trace_of("97 =97", "stop", -2.0, [-0.25] * 7)  # 6 characters and EOS
     assert len(trace.output_ids) == 7 and trace.token_logprobs == (-0.25,) * 7
     # logged ids win over the text (which can lose a special token sampled mid-response)
-    pad = ranker._tok.pad_token_id
+    pad = ranker.tokenizer.pad_token_id
     ids = (*trace.output_ids[:3], pad, *trace.output_ids[3:])
     assert ranker.trace_of("97 =97", "stop", -2.0, [-0.25] * 8, ids).output_ids == ids
     # text only, and it does not line up with the per-token log-probs: only the sum is kept, counted
@@ -156,6 +160,7 @@ def test_token_logprobs_must_match_the_response_token_for_token(tiny_policy_dir)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.slow
 def test_response_logprobs_equal_the_engines_sampled_logprobs(tiny_policy_dir, temperature):
     from streamrl.models.tiny import encode_prompt, load_policy
     from streamrl.sgs.engines.base import make_engine
@@ -177,7 +182,7 @@ def test_response_logprobs_equal_the_engines_sampled_logprobs(tiny_policy_dir, t
     finally:
         engine.shutdown()
     ranker = _ranker(tiny_policy_dir, temperature=temperature)
-    lp = ranker.response_logprobs(ranker._model, [c.prompt_ids for c in done], [c.output_ids for c in done])
+    lp = ranker.response_logprobs(ranker.model, [c.prompt_ids for c in done], [c.output_ids for c in done])
     np.testing.assert_allclose(lp, [sum(c.logprobs) for c in done], atol=1e-3)
 
 
@@ -195,7 +200,7 @@ def _flipping_history(ranker, other):
     model_y.load_state_dict(other)
     p, short = _ids(ranker, "U 96,1:", SHORT)
     _, long_ = _ids(ranker, "U 96,1:", LONG)
-    lx = ranker.response_logprobs(ranker._model, [p, p], [short, long_])
+    lx = ranker.response_logprobs(ranker.model, [p, p], [short, long_])
     ly = ranker.response_logprobs(model_y.eval(), [p, p], [short, long_])
     dx, dy = lx[1] - lx[0], ly[1] - ly[0]
     assert abs(dx - dy) > 0.5, "the perturbation must change the policy's preference"
@@ -205,9 +210,10 @@ def _flipping_history(ranker, other):
             ["a", "a", "b", "b"], traces, dx > dy)
 
 
+@pytest.mark.slow
 def test_installing_a_new_policy_changes_the_ranking_and_invalidates_the_cache(tiny_policy_dir):
     ranker = _ranker(tiny_policy_dir, beta=1.0)
-    other = _perturbed(ranker._model)
+    other = _perturbed(ranker.model)
     texts, lengths, keys, traces, first_above = _flipping_history(ranker, other)
     ranker.fit(texts, lengths, keys, traces=traces)
     before = ranker.score(["U 96,1:", "D 412,2:"], ["a", "b"])
@@ -221,6 +227,7 @@ def test_installing_a_new_policy_changes_the_ranking_and_invalidates_the_cache(t
     assert after[1] == before[1]  # "b" has no traces: its plain mean does not depend on the policy
 
 
+@pytest.mark.slow
 def test_prompts_without_history_get_the_prior_or_the_median(tiny_policy_dir):
     ranker = _ranker(tiny_policy_dir)
     ranker.fit(["U 96,1:", "U 96,1:", "D 412,2:"], [10, 30, 50], ["a", "a", "b"])
@@ -233,6 +240,7 @@ def test_prompts_without_history_get_the_prior_or_the_median(tiny_policy_dir):
     np.testing.assert_allclose(with_prior.score(unseen, ["n1", "n2"]), with_prior.prior.score(unseen, ["n1", "n2"]))
 
 
+@pytest.mark.slow
 def test_reweighted_ranker_names_bad_settings(tiny_policy_dir):
     with pytest.raises(ValueError, match="beta"):
         _ranker(tiny_policy_dir, beta=1.5)
@@ -247,11 +255,12 @@ def test_reweighted_ranker_names_bad_settings(tiny_policy_dir):
         _ranker(tiny_policy_dir).score(["U 96,1:"])
 
 
+@pytest.mark.slow
 def test_online_ranker_installs_policies_and_scores_the_next_batch_ahead(tiny_policy_dir):
     from streamrl.ranker.online import OnlineRanker
 
     ranker = _ranker(tiny_policy_dir, beta=1.0)
-    other = _perturbed(ranker._model)
+    other = _perturbed(ranker.model)
     texts, lengths, keys, traces, first_above = _flipping_history(ranker, other)
     online = OnlineRanker(ranker)
     online.register(["a", "b"], ["U 96,1:", "D 412,2:"])
@@ -296,14 +305,16 @@ def test_checkpoint_resolver_picks_the_newest_kept_version_the_lag_allows(tmp_pa
         checkpoint_resolver(tmp_path / "none")
 
 
+@pytest.mark.slow
 def test_streaming_eval_installs_each_steps_checkpoint_and_reads_logged_responses(tmp_path, tiny_policy_dir):
     """A rollout log with responses and log-probs: the streaming protocol hands the ranker traces
     and the checkpoint of each step's generating version (less the lag)."""
-    from streamrl.ranker.evaluate import checkpoint_resolver, load_samples_jsonl, streaming
+    from streamrl.ranker.evaluate import checkpoint_resolver, streaming
+    from streamrl.ranker.records import load_samples_jsonl
 
     ranker = _ranker(tiny_policy_dir)
     p, short = _ids(ranker, "U 96,1:", SHORT)
-    lp = float(ranker.response_logprobs(ranker._model, [p], [short])[0])
+    lp = float(ranker.response_logprobs(ranker.model, [p], [short])[0])
     rows = [{"key": k, "text": t, "length": len(short), "iteration": it, "version_start": it, "response": SHORT,
              "finish_reason": "stop", "logprob": lp} for it in range(3) for k, t in (("a", "U 96,1:"), ("b", "D 412,2:"))]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -331,13 +342,15 @@ def test_streaming_eval_installs_each_steps_checkpoint_and_reads_logged_response
     assert [len(p.records) for p in preds] == [2, 2]
 
 
+@pytest.mark.slow
 def test_the_sgs_feeds_the_ranker_responses_and_policies_and_dispatches_on_the_reweighted_estimate(
         ray_session, tiny_policy_dir):
     """Batch "a" is generated by version 0; version 1 (other weights) is installed; the next batch's
     prompts are scored ahead; batch "b" is dispatched on each prompt's batch-"a" lengths weighted
     by pi_1 / pi_0 of its responses, without scoring anything on the critical path."""
     from streamrl.config import load_config
-    from streamrl.controller.common import RequestBuilder, make_task
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.tasks.factory import make_task
     from streamrl.models.tiny import load_policy
     from streamrl.sgs.service import StreamGenerationService
     from streamrl.weights.flat import flatten
@@ -381,13 +394,17 @@ def test_the_sgs_feeds_the_ranker_responses_and_policies_and_dispatches_on_the_r
         assert pred[key] == pytest.approx(float(np.dot(w, [r[1] for r in rows]) / w.sum()), rel=1e-5)
 
 
-def test_rank_eval_offers_every_estimator_the_ranker_has():
+def test_rank_eval_offers_every_estimator_the_ranker_has(capsys):
+    import re
+
     from streamrl.cli import build_parser
     from streamrl.ranker.reweighted import ESTIMATORS
 
-    args = build_parser().parse_args(["rank", "eval", "--data", "samples", "--estimator", "tree"])
-    assert args.estimator == "tree"
-    rank = build_parser()._subparsers._group_actions[0].choices["rank"]
-    evaluate = rank._subparsers._group_actions[0].choices["eval"]
-    choices = next(a.choices for a in evaluate._actions if a.dest == "estimator")
-    assert set(choices) == set(ESTIMATORS)
+    def parse(estimator):
+        return build_parser().parse_args(["rank", "eval", "--data", "samples", "--estimator", estimator])
+
+    assert [parse(e).estimator for e in ESTIMATORS] == list(ESTIMATORS)
+    with pytest.raises(SystemExit):
+        parse("no-such-estimator")
+    offered = re.search(r"invalid choice: '?no-such-estimator'? \(choose from (.*)\)", capsys.readouterr().err)
+    assert offered and set(re.findall(r"\w+", offered.group(1))) == set(ESTIMATORS)  # and nothing else

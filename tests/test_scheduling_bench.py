@@ -59,6 +59,7 @@ def test_bench_modes_rejects_colocated_thread_counts_beyond_the_cluster(tmp_path
         bench_modes(cfg, 0, 1, tmp_path, modes=("colocated",), colocated_threads=(1, 3))
 
 
+@pytest.mark.slow
 def test_history_policy_lengths_reach_the_ranker_for_every_batch_prompt(ray_session, tiny_policy_dir):
     """A later-epoch bench: the earlier checkpoint's greedy lengths are what ``history`` ranks by."""
     from streamrl.bench.scheduling import CONFIGS, bench_scheduling
@@ -77,6 +78,7 @@ def test_history_policy_lengths_reach_the_ranker_for_every_batch_prompt(ray_sess
     assert [r["config"] for r in res["rows"]] == ["random+fifo", "skew+ranker"]
 
 
+@pytest.mark.slow
 def test_batches_are_disjoint_and_the_table_is_the_mean_of_each_batchs_ratios(ray_session, tiny_policy_dir):
     """``batches=2``: two disjoint batches, each recorded and run; every aggregate ratio and check is the
     mean over batches of that batch's own ratio."""

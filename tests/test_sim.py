@@ -343,7 +343,7 @@ def test_live_rejects_the_old_per_unit_prepare_form():
 
 
 def test_fit_prepare_calls_recovers_pass_and_token_costs():
-    from streamrl.planner.profile_live import call_sizes, fit_prepare_calls
+    from streamrl.profiling.live import call_sizes, fit_prepare_calls
 
     rows = [{"passes": p, "padded_tokens": t, "s": 0.006 * p + 2e-6 * t} for p, t in ((1, 30), (1, 500), (3, 9000), (5, 16000))]
     assert fit_prepare_calls(rows) == pytest.approx((0.006, 2e-6))
@@ -354,7 +354,7 @@ def test_fit_prepare_calls_recovers_pass_and_token_costs():
 
 
 def test_fit_per_sample_recovers_overhead_and_slope():
-    from streamrl.planner.profile_live import fit_per_sample
+    from streamrl.profiling.live import fit_per_sample
 
     toks = [10, 20, 30, 40]
     a, b = fit_per_sample([0.005 + 1e-4 * x for x in toks], toks)
@@ -380,7 +380,7 @@ def test_sim_elastic_applies_the_rule_each_iteration():
 
 
 def test_fit_prefill_takes_the_per_request_slope():
-    from streamrl.planner.profile_live import fit_prefill
+    from streamrl.profiling.live import fit_prefill
 
     ptl = [{"batch_size": b, "ms_per_token": 2.0} for b in (1, 8, 64)]
     one = [{"batch_size": b, "one_token_s": 0.004 + 0.002 + 0.0005 * b, "prompt_len": 10} for b in (1, 8, 64)]

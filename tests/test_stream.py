@@ -13,6 +13,8 @@ from streamrl.controller.common import group_samples
 from streamrl.trainer.actor import IterationTrainer, StalenessError
 from tests.helpers import AllOnFirst, assert_moved_running_and_joined, real_samples
 
+pytestmark = pytest.mark.slow  # every test builds the tiny policy, a Trainer, or Ray instances with engines
+
 
 def _cfg(policy_dir, *overrides):
     return load_config(None, [f"policy.path={policy_dir}", "generation.max_new_tokens=24",
@@ -38,8 +40,8 @@ def test_stream_sync_and_batch_sync_give_the_same_parameters(tiny_policy_dir):
     groups = group_samples(real_samples(batch.trainer.model, batch.trainer.tokenizer, PAIRS, REWARDS))
     res_batch = batch.add_groups(0, groups, expected=len(groups))          # disagg-batch: all at once
     results = [stream.add_groups(0, [g], expected=len(groups)) for g in groups]  # stream-sync: one by one
-    assert results[:-1] == [None] * (len(groups) - 1) and results[-1]["version"] == res_batch["version"] == 1
-    assert res_batch["metrics"]["train/steps_in_iter"] > 1  # several dynamic batches, not one
+    assert results[:-1] == [None] * (len(groups) - 1) and results[-1].version == res_batch.version == 1
+    assert res_batch.metrics["train/steps_in_iter"] > 1  # several dynamic batches, not one
     assert np.allclose(_params(batch), _params(stream), atol=1e-6)
     assert sorted(batch.drain_trained_ids()) == sorted(stream.drain_trained_ids())
 
@@ -114,7 +116,8 @@ def test_every_request_is_returned_exactly_once_when_an_instance_is_removed(ray_
 
 def _run(cfg):
     from streamrl.controller.driver import RunContext, make_pipeline
-    from streamrl.controller.common import PromptStream, make_task
+    from streamrl.controller.common import PromptStream
+    from streamrl.tasks.factory import make_task
     from streamrl.models.tiny import load_policy
 
     task = make_task(cfg)
@@ -238,24 +241,56 @@ def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray
     assert pending == [0, 0] and not sgs.assigned and not sgs._prefix
 
 
+class _CallLog:
+    """Stands in for an instance's actor handle in ``sgs.instances``: records the name of each
+    method the service calls on the instance, and calls the real actor."""
+
+    def __init__(self, actor, calls: list[str]):
+        self.actor, self.calls = actor, calls
+
+    def __getattr__(self, method: str):
+        self.calls.append(method)
+        return getattr(self.actor, method)
+
+
+def _every_instance_full(sgs, batch: int) -> bool:
+    from collections import Counter
+
+    unfinished = Counter(name for name, _ in sgs.assigned.values())
+    return all(unfinished[name] >= batch for name in sgs.instances)
+
+
 def test_rebalancing_reads_no_progress_while_every_instance_has_a_full_batch(ray_session, tiny_policy_dir):
     """Progress is only read when a check could act (some instance with free slots); while both
-    instances run a full batch with more queued, polls are plain and nothing is moved."""
+    instances run a full batch with more queued, polls are plain and nothing is moved. Checked on
+    every poll that starts with both instances full, however soon requests finish."""
     sgs, requests = _two_instances_eos_off(tiny_policy_dir, 8, 3, "fp", "generation.max_requests_per_batch=2",
                                            "generation.max_new_tokens=400", "generation.dispatch=round-robin")
+    actors, calls = dict(sgs.instances), []
+    sgs.instances.update({name: _CallLog(actor, calls) for name, actor in actors.items()})
+    wanted, done, full_polls = {r.request_id for r in requests}, [], 0
     try:
         sgs.submit(requests)  # 4 per instance, 2 running each: every instance is full
-        # 400 tokens each: nothing can have finished yet (an idle core decodes 200 in about 0.28 s)
-        assert sgs.poll(timeout=0.1) == []
-        assert sgs._progress == {} and sgs.counters["sgs/rebalance_rounds"] == 0
-        done = _drain(sgs, [r.request_id for r in requests])
+        while wanted:
+            full, rounds = _every_instance_full(sgs, 2), sgs.counters["sgs/rebalance_rounds"]
+            calls.clear()
+            for c in sgs.poll(timeout=0.1):
+                wanted.discard(c.request_id)
+                done.append(c)
+            if full:
+                full_polls += 1
+                assert "poll_with_progress" not in calls, calls  # plain polls only
+                if _every_instance_full(sgs, 2):  # still full after it: no check ran, nothing was asked
+                    assert set(calls) <= {"poll"} and sgs.counters["sgs/rebalance_rounds"] == rounds, calls
     finally:
+        sgs.instances.update(actors)
         sgs.shutdown()
+    assert full_polls >= 1  # the first poll starts with every instance full
     assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)
 
 
 def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_session, tiny_policy_dir):
-    from streamrl.controller.common import make_task
+    from streamrl.tasks.factory import make_task
     from streamrl.sgs.service import StreamGenerationService
 
     cfg = _cfg(tiny_policy_dir, "generation.dispatch=skewness-aware", "generation.order=lpt",
@@ -282,7 +317,7 @@ def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_sess
         sgs.shutdown()
     mean_len = {}
     for c in first:
-        mean_len.setdefault(c.request_id.split(":", 1)[1].rsplit("/", 1)[0], []).append(len(c.output_ids))
+        mean_len.setdefault(c.prompt_id, []).append(len(c.output_ids))
     for r in second:  # the history ranker predicts each prompt's mean length from the first batch (log space)
         lens = np.array(mean_len[r.prompt_id], dtype=float)
         assert pred[r.request_id] == pytest.approx(np.expm1(np.log1p(lens).mean()))

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from streamrl.tasks.stats import check_criteria, length_figures, spearman
+from streamrl.metrics.stats import spearman
+from streamrl.tasks.stats import check_criteria, length_figures
 from streamrl.tasks.synthetic import SyntheticSpec, SyntheticTask, make_problem, solve
 
 

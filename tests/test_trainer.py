@@ -1,5 +1,6 @@
 """Trainer: real gradient steps, micro-batching, PPO/GRPO preparation, exact resume."""
 
+import pytest
 import torch
 
 from streamrl.config import load_config
@@ -30,6 +31,7 @@ def _params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.slow
 def test_train_step_changes_the_policy(tiny_policy_dir):
     tr = _trainer(tiny_policy_dir)
     before = _params(tr.model).clone()
@@ -38,6 +40,7 @@ def test_train_step_changes_the_policy(tiny_policy_dir):
     assert metrics["train/samples"] == 6 and metrics["train/grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_constant_reward_group_gets_zero_advantage(tiny_policy_dir):
     tr = _trainer(tiny_policy_dir)
     items = _prepared(tr)
@@ -45,6 +48,7 @@ def test_constant_reward_group_gets_zero_advantage(tiny_policy_dir):
     assert items[0].advantages[0] > 0 > items[1].advantages[0]
 
 
+@pytest.mark.slow
 def test_micro_batching_gives_the_same_update_as_one_batch(tiny_policy_dir):
     a = _trainer(tiny_policy_dir, "trainer.micro_batch_tokens=100000")
     b = _trainer(tiny_policy_dir, "trainer.micro_batch_tokens=20")
@@ -60,6 +64,7 @@ def test_micro_batching_gives_the_same_update_as_one_batch(tiny_policy_dir):
     assert not torch.allclose(_params(a.model), _params(_trainer(tiny_policy_dir).model), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_ppo_prepares_values_gae_and_trains_the_critic(tiny_policy_dir):
     tr = _trainer(tiny_policy_dir, "trainer.algo=ppo", "trainer.kl_coef=0.1", "trainer.lam=1.0")
     tr.begin_iteration()
@@ -75,6 +80,7 @@ def test_ppo_prepares_values_gae_and_trains_the_critic(tiny_policy_dir):
     assert not torch.allclose(critic_before, torch.cat([p.detach().flatten() for p in tr.critic.parameters()]))
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_is_exact(tiny_policy_dir, tmp_path):
     a = _trainer(tiny_policy_dir)
     a.train_step(_prepared(a))
@@ -103,6 +109,7 @@ def test_dynamic_batches_close_when_the_token_budget_fills_and_keep_order():
     assert dynamic_batches([], 8) == []
 
 
+@pytest.mark.slow
 def test_batched_prepare_of_many_groups_equals_one_group_at_a_time(tiny_policy_dir):
     """The trainer prepares every group that arrived in one call with shared, length-sorted
     forward passes; each sample must get what a pass of its own group alone gives it."""

@@ -17,6 +17,8 @@ import pytest
 from streamrl.config import PolicyConfig, load_config
 from tests.helpers import AllOnFirst, assert_moved_running_and_joined
 
+pytestmark = pytest.mark.slow  # Ray, vLLM engines and the trainer actor
+
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
         raise RuntimeError("STREAMRL_REQUIRE_VLLM=1 but vllm is not importable in this environment")

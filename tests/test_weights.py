@@ -138,6 +138,7 @@ def receiver(ray_ctx):
     ray_ctx.kill(actor)
 
 
+@pytest.mark.slow
 def test_actor_loads_weights_from_the_object_store(ray_ctx, receiver):
     src = make_model(1)
     transport = RayObjectStoreTransport()
@@ -151,6 +152,7 @@ def test_actor_loads_weights_from_the_object_store(ray_ctx, receiver):
     assert records[0].dst == "gen-0" and records[0].transport == "ray"
 
 
+@pytest.mark.slow
 def test_actor_loads_weights_from_a_gloo_broadcast(ray_ctx, receiver):
     port = free_port()
     joined = receiver.join_gloo.remote("127.0.0.1", port)  # both ranks must join at once

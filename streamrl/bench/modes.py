@@ -30,7 +30,7 @@ import numpy as np
 
 from streamrl.config import Config
 
-MODES = ("colocated", "disagg-batch", "stream-sync", "stream-async")
+from streamrl.modes import MODE_NAMES as MODES
 VARIANTS: dict[str, dict[str, str]] = {
     "skew": {"dispatch": "skewness-aware", "order": "lpt"},
     "skew-rebalance": {"dispatch": "skewness-aware", "order": "lpt", "rebalance": True},
@@ -55,7 +55,8 @@ def mode_config(cfg: Config, mode: str) -> Config:
 
 
 def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str | None = None) -> dict:
-    from streamrl.controller.common import PromptStream, make_task
+    from streamrl.controller.common import PromptStream
+    from streamrl.tasks.factory import make_task
     from streamrl.controller.driver import RunContext, make_pipeline
     from streamrl.metrics.timeline import gantt
     from streamrl.models.tiny import load_policy
@@ -119,8 +120,9 @@ def thread_scaling(cfg: Config) -> list[dict]:
 
     import torch
 
-    from streamrl.controller.colocated import engine_kwargs, run_to_completion
-    from streamrl.controller.common import RequestBuilder, group_samples, make_task
+    from streamrl.sgs.engines.build import engine_kwargs, run_to_completion
+    from streamrl.controller.common import RequestBuilder, group_samples
+    from streamrl.tasks.factory import make_task
     from streamrl.models.tiny import load_policy
     from streamrl.sgs.engines.base import make_engine
     from streamrl.trainer.trainer import Trainer
@@ -143,7 +145,7 @@ def thread_scaling(cfg: Config) -> list[dict]:
         tcfg.trainer.threads = threads
         tr = Trainer(tcfg)
         by_id = {p.prompt_id: p for p in prompts}
-        samples = [Sample(prompt=by_id[c.request_id.split(":", 1)[1].rsplit("/", 1)[0]], sample_idx=0, completion=c,
+        samples = [Sample(prompt=by_id[c.prompt_id], sample_idx=c.sample_idx, completion=c,
                           response_text="", reward=float(i % 2)) for i, c in enumerate(completions)]
         tr.begin_iteration()
         groups = tr.prepare_groups(group_samples(samples))
@@ -164,7 +166,7 @@ def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=
     """Every mode in ``modes``; colocated once per thread count in ``colocated_threads``
     (default: 1 and ``cluster.num_cpus``) and its fastest run is the row the others are compared
     with: in one process the engine's loop thread and the trainer each keep an OpenMP team, and
-    on this 2-core machine 1 thread has measured faster than 2 (see the README), so a fixed
+    on a 2-core machine 1 thread has measured faster than 2 (docs/results.md), so a fixed
     thread count would not be the fair baseline. ``colocated_by_threads`` keeps every run."""
     from streamrl.controller.driver import ensure_policy, init_ray
 

@@ -7,83 +7,27 @@ wall time from submitting the batch to its last sampled token (engine timestamps
     random + FIFO                    random dispatch, arrival order (the baseline)
     skew-aware + ranker              Algorithm 2 on the ranker's scores, LPT inside instances
     skew-aware + oracle              Algorithm 2 on the true lengths, LPT
-    ... each again + rebalance       ``policies.rebalance`` moving not-yet-started requests
+    ... each again + rebalance       ``policies.rebalance``, queued and running requests
     search + ranker / oracle         ``skewness-search``: Algorithm 2 with the long-tail fraction
                                      searched and each split simulated (ours; policies/dispatch.py)
-    ... + ranker + hedged            the same dispatch with ``lpt-head`` inside instances (ours:
-                                     LPT for the top ``generation.order_head`` predicted, then
-                                     arrival order; policies/order.py says why)
+    ... + ranker + hedged            the same dispatch with ``lpt-head`` inside instances
 
-Rebalancing (``generation.rebalance_running``, on by default) may also move running requests:
-they are stopped between decode steps and resume on the other instance from their prefix.
+Decoding is greedy, so a *recording run*'s lengths are the oracle for every later run (with
+sampling the lengths would depend on which requests share a batch); ``length_match`` reports the
+fraction of requests whose length equalled the recorded one. The ranker is fitted on this
+policy's lengths for ``ranker_prompts`` *other* prompts (``history_policy``: an earlier
+checkpoint's lengths on the batch prompts join them, as a later epoch's history would), and
+Algorithm 2's P50/P90 come from those, never from the batch.
 
-Why greedy decoding. An oracle must know this run's lengths before the run. With sampling the
-lengths depend on the random stream, which the continuous-batching engine draws for the whole
-batch at once, so they change with the dispatch (which requests share a batch). Greedy decoding
-(``temperature=0``) makes each response a function of its prompt and the weights: the *recording
-run* generates the batch once and its lengths are the oracle for every later run. The table shows
-``length_match``, the fraction of requests whose length in the run equalled the recorded one (it
-can drop below 1 only where float rounding differs between batch compositions and flips an argmax).
-
-What the ranker sees. It is fitted on this policy's (greedy) lengths for *other* prompts of the
-task (``ranker_prompts`` of them, disjoint from the batch), then scores the batch ahead of the
-run: a held-out-prompt ranker, as in RL's first epoch. With ``history_policy`` (an earlier
-checkpoint of the policy, e.g. the one RL started from) it is a later epoch instead: that
-checkpoint's greedy lengths on the batch prompts join the ranker's data, as the rollouts of the
-epoch before would (``history`` and ``blend`` remember them by prompt), and the table also shows
-how well those lengths alone rank the bench policy's. Its recall/Spearman on the batch against
-the recorded lengths are printed beside the table. Algorithm 2's P50/P90 come from the same other
-prompts' lengths (the "recent distribution"), never from the batch. ``--ranker lm`` fine-tunes
-the bench's policy on those lengths (``ranker/finetuned.py``, about a minute here); on the default
-batch it ranked .85 / .62 / .50 or .85 / .46 / .67 (Spearman .93; one network, then the
-ensemble) against ``learned``'s .73 / .62 / .67 (.90), and skew+ranker+hedged gave 0.84-0.90 of
-random+FIFO in three runs against 0.86-0.89 with ``learned`` (README).
-
-Latency model and lower bound. PTL(BS) of one instance is measured here first (the engine with
-EOS unreachable, one thread, batch sizes up to ``batch``; ``sgs.engines.profile``) or read from
-``profile``, and so is the context term (``kv_ms_per_token``, ``sgs.engines.profile.context_cost``:
-the same batch of 16 with 200 more prompt tokens each; a decode step on this CPU engine costs about PTL(B) plus 0.002 ms per
-context token the running requests hold). Dispatch and rebalancing read it; ``skewness-search``
-uses the context term, the paper's ``skewness-aware`` does not. The lower bound is the longer of
-the longest sample alone (``PTL(1)`` per token plus its own context cost) and all tokens at the
-peak rate (``instances x max_b b / PTL(b)``, ``b <= batch``) plus every token's context cost
-(the same whatever the schedule: ``lower_bound_s``); it ignores prefill, admission and the CB
-loop's own overhead, so it is optimistic.
-
-Batch size. ``max_requests_per_batch`` (``batch``) is set below each instance's share of the
-batch (``prompts / instances``), so requests queue inside an instance and their admission order
-matters: with FIFO a long request admitted late runs on alone at the end. Each configuration
-runs ``repeats`` times (random dispatch with a different seed each time), in a rotated order so
-slow drift of the machine does not favour one configuration; the table shows the mean and the
-range, and the machine's 1-minute load average before each run (``loadavg``: on a shared 2-core
-machine other processes slow the instances down, which is noise here).
-
-Regime. The defaults (128 prompts, batch 16) are where dispatch matters most on this CPU engine.
-Measured skew+oracle / search+oracle / skew+ranker / search+ranker against random+FIFO, before
-the bucketed decode attention: 128/16 0.80 / 0.78 / 1.03 / 1.05; 256/32 0.89 / 0.82 / 1.04 /
-1.04; 512/16 0.91 / 0.83 / 0.97 / 1.13; 512/8 0.85 / 0.81 / 0.88 / 0.93; 128 with batch 64 (all
-admitted at once) 1.04 / 0.90 / 0.96 / 1.13. With more prompts per slot the batch is
-throughput-bound (dispatch cannot make the engine faster); with every request admitted at once
-there is no order to choose and one instance's longest request sets its end whatever else it
-holds. A decode step here costs about PTL(B) (3.0-3.7 ms at B=1, 4.3-4.9 at 16) plus 0.0014-0.0018 ms per
-context token held, so a request alone is barely faster than in a full batch: the paper's lever
-(PTL(1) = 8.4 vs PTL(512) = 36.9 ms on an H800) is weak on this machine.
-
-Several batches (``batches``). One batch's ratios depend on the prompts it drew: on the RL-trained
-policy about 1 % of prompts make greedy decoding loop to ``max_new_tokens``, mostly short chains
-the ranker predicts short, so a batch holding one such prompt that the ranker misses ends when
-that request, admitted late by LPT, does (``recorded_lengths``/``ranker_scores`` of the result
-show which). With ``batches=N`` the bench draws N disjoint batches of ``prompts`` (the ranker's
-other prompts are disjoint from all of them; it is fitted once), records and runs each in turn,
-and reports every batch's table (``per_batch``) and their mean: each aggregate ratio and check is
-the mean over batches of that batch's ratio, formed within the batch (its configurations ran on
-the same prompts).
-
-CPU makespan. Beside the wall makespan, each run records the CPU seconds each instance's process
-used during the run; ``cpu_makespan_s`` is the largest. An instance is busy from the submit to its
-last completion and idle after it, so this is the makespan the same schedule would have with one
-free core per instance; other processes on the machine cannot inflate it (they can only stretch
-the wall time). On a loaded machine it is the fairer comparison of policies; both are reported.
+PTL(BS) and the context cost are measured here first (``profiling.decode``) or read from
+``profile``. The lower bound is the longer of the longest sample alone and all tokens at the peak
+rate, plus every token's context cost; it ignores prefill and admission, so it is optimistic.
+``max_requests_per_batch`` (``batch``) is below each instance's share, so admission order
+matters. Each configuration runs ``repeats`` times in a rotated order (slow drift of the machine
+favours none); ``batches`` disjoint batches are recorded and run in turn and every ratio is the
+mean over batches of the ratio within a batch. Beside wall time, ``cpu_makespan_s`` (the largest
+instance's CPU seconds during the run) is the makespan with one free core per instance, which
+other processes cannot inflate. Results and their reading: docs/results.md.
 """
 
 from __future__ import annotations
@@ -152,11 +96,11 @@ def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
 
     import torch
 
-    from streamrl.controller.colocated import engine_kwargs
+    from streamrl.sgs.engines.build import engine_kwargs
     from streamrl.models.tiny import load_policy
     from streamrl.policies.latency import LatencyModel
     from streamrl.sgs.engines.base import make_engine
-    from streamrl.sgs.engines.profile import context_cost, profile_decode_latency
+    from streamrl.profiling.decode import context_cost, profile_decode_latency
 
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch} | {batch})
     echo(f"scheduling: measuring PTL(BS) at batch sizes {sizes} (1 thread)")
@@ -193,12 +137,8 @@ def _run(sgs, requests, predicted) -> dict:
     for c in done:
         by_inst[c.instance] = max(by_inst.get(c.instance, 0.0), c.t_end - t0)
     return {"makespan_s": end - t0, "cpu_makespan_s": max(cpu.values()), "instance_cpu_s": cpu,
-            "lengths": {c.request_id: len(c.output_ids) for c in done}, "instance_end_s": by_inst}
-
-
-def _prompt_key(request_id: str) -> str:
-    """``"<tag>:<prompt_id>/<sample>"`` -> ``prompt_id`` (RequestBuilder's request ids)."""
-    return request_id.split(":", 1)[1].rsplit("/", 1)[0]
+            "lengths": {c.request_id: len(c.output_ids) for c in done},
+            "prompt_lengths": {c.prompt_id: len(c.output_ids) for c in done}, "instance_end_s": by_inst}
 
 
 def _record_history(cfg: Config, history_policy: str, builder, batch_prompts, instances: int, tok, echo) -> dict[str, int]:
@@ -218,13 +158,14 @@ def _record_history(cfg: Config, history_policy: str, builder, batch_prompts, in
         done = list(sgs.generate(builder.build(batch_prompts, 0, tag="history-")))
     finally:
         sgs.shutdown()
-    return {_prompt_key(c.request_id): len(c.output_ids) for c in done}
+    return {c.prompt_id: len(c.output_ids) for c in done}
 
 
 def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch: int = 16, repeats: int = 8,
                      ranker: str = "learned", ranker_prompts: int | None = 2048, profile: str | None = None,
                      configs=CONFIGS, history_policy: str | None = None, batches: int = 1, echo=print) -> dict:
-    from streamrl.controller.common import RequestBuilder, make_task
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.tasks.factory import make_task
     from streamrl.controller.driver import ensure_policy, init_ray
     from streamrl.models.tiny import load_policy
     from streamrl.policies.latency import latency_to_dict, load_profile
@@ -273,7 +214,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
              f"{prompts} prompts")
         sgs.configure("round-robin", "fifo", False)
         other = _run(sgs, builder.build(other_prompts, 0, tag="rankdata-"), None)
-        other_len = {_prompt_key(rid): n for rid, n in other["lengths"].items()}
+        other_len = other["prompt_lengths"]
         text_of = {p.prompt_id: p.text for p in pool}
         fit_len = {**other_len, **hist_len}  # the batch prompts' keys are disjoint from the others'
         t_fit = time.perf_counter()
@@ -309,7 +250,7 @@ def _bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_po
     g = cfg.generation
     sgs.configure("round-robin", "fifo", False)
     rec = _run(sgs, builder.build(batch_prompts, 0, tag=f"record{index}-"), None)
-    oracle = {_prompt_key(rid): n for rid, n in rec["lengths"].items()}
+    oracle = rec["prompt_lengths"]
     t_score = time.perf_counter()
     scores = dict(zip([p.prompt_id for p in batch_prompts],
                       rk.score([p.text for p in batch_prompts], [p.prompt_id for p in batch_prompts]).tolist()))

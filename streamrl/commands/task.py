@@ -15,4 +15,66 @@ def register(sub) -> None:
     s.add_argument("--records", default=None, metavar="FILE.jsonl",
                    help="also write one {key, text, length, step} record per sample (input of `streamrl rank eval --data samples`)")
     add_out_argument(s)
-    s.set_defaults(handler="streamrl.tasks.stats:run")
+    s.set_defaults(handler="streamrl.commands.task:run")
+
+
+def run(args) -> int:
+    from streamrl.config import load_cli_config
+    import numpy as np
+
+    from streamrl.tasks.stats import CRITERIA, check_criteria, length_figures
+    from streamrl.tasks.factory import make_task
+    from streamrl.controller.driver import ensure_policy
+    from streamrl.metrics.report import print_table, write_json
+
+    cfg = load_cli_config(args.config, args.overrides)
+    ensure_policy(cfg)
+    task = make_task(cfg)
+    prompts = task.train_prompts()[: args.prompts]
+    completions, tokenizer = sample_policy(cfg, prompts, args.samples, threads=cfg.cluster.num_cpus)
+    by_id = {p.prompt_id: p for p in prompts}
+    correct, records, seen = [], [], {}
+    for c in completions:
+        pid = c.prompt_id
+        correct.append(task.reward(by_id[pid], tokenizer.decode(list(c.output_ids), skip_special_tokens=True)))
+        # One record per sample, numbered per prompt in completion order: `streamrl rank eval
+        # --data samples --file` holds out prompts, or samples of seen prompts, from these.
+        seen[pid] = seen.get(pid, -1) + 1
+        records.append({"key": pid, "text": by_id[pid].text, "length": len(c.output_ids), "step": seen[pid]})
+    if args.records:
+        import json
+        from pathlib import Path
+
+        Path(args.records).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.records).write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(f"{len(records)} (prompt, response length) records: {args.records}")
+    figures = length_figures([len(c.prompt_ids) for c in completions], [len(c.output_ids) for c in completions])
+    figures["sampled_accuracy"] = float(np.mean(correct))
+    figures["truncated_frac"] = float(np.mean([c.finish_reason == "length" for c in completions]))
+    ok = check_criteria(figures)
+    rows = [{"figure": k, "value": v, "criterion": " ".join(map(str, CRITERIA[k])) if k in CRITERIA else "",
+             "met": ("yes" if ok[k] else "NO") if k in ok else ""} for k, v in figures.items()]
+    print_table(f"{cfg.task.name}: {len(prompts)} prompts x {args.samples} samples, temperature "
+                f"{cfg.generation.temperature}, policy {cfg.policy.path}", rows, ["figure", "value", "criterion", "met"])
+    write_json(args.out, {"rows": rows, "figures": figures, "criteria_met": ok})
+    return 0
+
+
+def sample_policy(cfg, prompts, samples_per_prompt: int, threads: int = 2):
+    """Generate with the configured engine in this process; returns (completions, tokenizer)."""
+    from streamrl.sgs.engines.build import engine_kwargs, run_to_completion
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.models.tiny import load_policy
+    from streamrl.sgs.engines.base import make_engine
+
+    model, tokenizer = load_policy(cfg.policy.path)
+    cfg = cfg.model_copy(deep=True)
+    cfg.generation.n_samples = samples_per_prompt
+    builder = RequestBuilder(tokenizer, cfg)
+    requests = builder.build(prompts, iteration=0, tag="stats-")
+    engine = make_engine(cfg.generation.engine, model.eval(), **engine_kwargs(cfg, tokenizer, threads, "stats", cfg.run.seed))
+    try:
+        completions = run_to_completion(engine, requests)
+    finally:
+        engine.shutdown()
+    return completions, tokenizer

@@ -1,4 +1,7 @@
-"""`streamrl train CONFIG [key.sub=value ...]`"""
+"""`streamrl train CONFIG [key.sub=value ...]`, and its ``--dry-run``."""
+
+from pathlib import Path
+from typing import Any
 
 from streamrl.metrics.report import add_out_argument
 
@@ -19,10 +22,6 @@ def run(args) -> int:
     cfg = load_cli_config(args.config, args.overrides)  # fails before any work on a bad key or value
     if getattr(args, "dry_run", False):
         return _dry_run(cfg, args)
-    if cfg.trainer.backend == "fsdp":  # always on GPU: an impossible plan fails before Ray or the policy
-        from streamrl.placement import plan_placement
-
-        plan_placement(cfg)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -51,7 +50,7 @@ def run(args) -> int:
 
 def _dry_run(cfg, args) -> int:
     from streamrl.metrics.report import write_json
-    from streamrl.placement import dry_run, format_plan, plan_placement
+    from streamrl.placement import format_plan, plan_placement
 
     report = dry_run(cfg)
     print(format_plan(plan_placement(cfg)))
@@ -60,3 +59,29 @@ def _dry_run(cfg, args) -> int:
             print(f"  {key}: {report[key]}")
     write_json(args.out, report)
     return 0
+
+
+def dry_run(cfg) -> dict[str, Any]:
+    """What ``streamrl train --dry-run`` reports: the plan and the inputs a real run would read
+    (checked for presence here, not loaded: no torch, no Ray, no GPU)."""
+    from streamrl.placement import plan_placement
+
+    plan = plan_placement(cfg)
+    policy = Path(cfg.policy.path)
+    report: dict[str, Any] = {
+        "mode": cfg.mode, "engine": cfg.generation.engine, "device": cfg.placement.device,
+        "policy": str(policy), "policy_present": (policy / "config.json").is_file(),
+        "trainer_ranks": len(plan.trainer), "generation_instances": len(plan.generation),
+        "gpus_by_type": plan.gpus_used(), "trainer_strategy": plan.trainer_strategy,
+        "plan": [{"role": b.role, "node": b.node, "gpus": list(b.gpus), "resources": b.resources}
+                 for b in plan.trainer + plan.generation],
+    }
+    if cfg.task.name != "synthetic":
+        from streamrl.tasks.math import DataError, resolve_data_path
+
+        try:
+            path = resolve_data_path(cfg.task.path, cfg.task.name)
+            report["task_file"], report["task_file_present"] = str(path), path.is_file()
+        except DataError as exc:
+            report["task_file"], report["task_file_present"] = f"unresolved: {exc}", False
+    return report

@@ -25,29 +25,9 @@ import time
 
 import ray
 
-from streamrl.config import Config, config_from_dict
+from streamrl.config import config_from_dict
+from streamrl.sgs.engines.build import engine_kwargs, run_to_completion
 from streamrl.types import Completion, GenRequest, Sample
-
-
-def engine_kwargs(cfg: Config, tokenizer, threads: int, instance: str, seed: int) -> dict:
-    g = cfg.generation
-    kw = dict(temperature=g.temperature, top_p=g.top_p, eos_token_id=tokenizer.eos_token_id,
-              pad_token_id=tokenizer.pad_token_id, max_batch_tokens=g.max_batch_tokens,
-              max_requests_per_batch=g.max_requests_per_batch, num_blocks=g.num_blocks, page_size=g.page_size,
-              num_threads=threads, seed=seed, instance=instance)
-    if g.engine == "transformers":
-        kw["attention"] = g.cb_attention
-    return kw
-
-
-def run_to_completion(engine, requests: list[GenRequest]) -> list[Completion]:
-    """Add every request and collect every completion (in completion order)."""
-    for r in requests:
-        engine.add_request(r)
-    done: list[Completion] = []
-    while len(done) < len(requests):
-        done.extend(engine.get_completions(timeout=1.0))
-    return done
 
 
 @ray.remote
@@ -97,9 +77,6 @@ class ColocatedWorker:
         extra = self.trainer.load_checkpoint(path)
         self.engine.update_weights(self.trainer.policy_state(), self.trainer.version)
         return extra
-
-    def engine_stats(self) -> dict:
-        return self.engine.stats()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -18,19 +18,6 @@ from streamrl.types import Completion, GenRequest, Prompt, Sample
 log = logging.getLogger(__name__)
 
 
-def make_task(cfg: Config):
-    """The configured task (prompt source + verifiable reward)."""
-    t = cfg.task
-    if t.name == "synthetic":
-        from streamrl.tasks.synthetic import SyntheticTask
-
-        return SyntheticTask(num_train=t.num_train, num_eval=t.num_eval, seed=cfg.run.seed,
-                             partial_credit=t.partial_credit)
-    from streamrl.tasks.math import MathTask
-
-    return MathTask.from_config(t, seed=cfg.run.seed)
-
-
 @dataclass
 class PromptStream:
     """Training prompts in a seeded order, reshuffled every epoch; its position is checkpointed."""
@@ -115,11 +102,10 @@ class Scorer:
             self.prompts[p.prompt_id] = p
 
     def score(self, c: Completion, iteration: int) -> Sample:
-        prompt_id, sample_idx = c.request_id.split(":", 1)[1].rsplit("/", 1)
-        prompt = self.prompts[prompt_id]
+        prompt = self.prompts[c.prompt_id]
         text = self.tokenizer.decode(list(c.output_ids), skip_special_tokens=True)
         reward, info = self.reward(prompt, text)
-        return Sample(prompt=prompt, sample_idx=int(sample_idx), completion=c, response_text=text,
+        return Sample(prompt=prompt, sample_idx=c.sample_idx, completion=c, response_text=text,
                       reward=float(reward), reward_info=info, iteration=iteration)
 
 

@@ -17,12 +17,18 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streamrl.config import Config, dump_config
-from streamrl.controller.common import PromptStream, RequestBuilder, Scorer, length_stats, make_task
+from streamrl.controller.common import PromptStream, RequestBuilder, Scorer, length_stats
+from streamrl.modes import get_mode
+from streamrl.placement import PlacementPlan, plan_placement
+from streamrl.tasks.factory import make_task
+
+if TYPE_CHECKING:
+    from streamrl.controller.pipelines import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +67,14 @@ def ensure_policy(cfg: Config, echo=print) -> None:
     echo(f"policy ready: {res.steps} SFT steps in {res.seconds:.0f}s, sampled accuracy {res.sampled_accuracy:.3f}")
 
 
-def make_pipeline(cfg: Config, ctx: "RunContext"):
-    if cfg.mode == "colocated":
-        from streamrl.controller.pipelines import ColocatedPipeline
+def make_pipeline(cfg: Config, ctx: "RunContext", plan: PlacementPlan | None = None) -> "Pipeline":
+    """The configured mode's pipeline; ``plan`` is the run's placement plan (computed here if not given)."""
+    from streamrl.controller.pipelines import ColocatedPipeline, DisaggPipeline
 
-        return ColocatedPipeline(cfg, ctx)
-    from streamrl.controller.pipelines import DisaggPipeline
-
-    return DisaggPipeline(cfg, ctx)
+    plan = plan if plan is not None else plan_placement(cfg)
+    if get_mode(cfg.mode).colocated:
+        return ColocatedPipeline(cfg, ctx, plan)
+    return DisaggPipeline(cfg, ctx, plan)
 
 
 class RunContext:
@@ -106,6 +112,7 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
     from streamrl.metrics.logger import MetricsLogger
     from streamrl.models.tiny import load_policy
 
+    plan = plan_placement(cfg)  # once, before any work: an impossible plan fails here, naming the keys
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
@@ -116,7 +123,7 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
     ctx = RunContext(cfg, task, tokenizer)
     stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
     logger = MetricsLogger(out, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, echo=echo)
-    pipeline = make_pipeline(cfg, ctx)
+    pipeline = make_pipeline(cfg, ctx, plan)
     start = 0
     ckpt = out / "checkpoint"
     if cfg.run.resume and (ckpt / "trainer.pt").is_file():
@@ -143,7 +150,7 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
         if sample_log is not None:
             sample_log.write(it, samples)
         metrics.update(_sample_metrics(samples))
-        metrics.update({f"reward/{k}": v for k, v in ctx.reward_runner.metrics().items()} if hasattr(ctx.reward_runner, "metrics") else {})
+        metrics.update({f"reward/{k}": v for k, v in ctx.reward_runner.metrics().items()})
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
             metrics.update(evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, f"it{it}"))
         logger.log(it + 1, metrics)
@@ -152,11 +159,11 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
             if cfg.run.keep_checkpoints:
                 shutil.copytree(ckpt / "policy", out / "checkpoints" / f"iter-{it + 1}", dirs_exist_ok=True)
     pipeline.finish()
-    for trained_it, train_metrics in getattr(pipeline, "unreported_train_metrics", list)():
+    for trained_it, train_metrics in pipeline.unreported_train_metrics():
         logger.log(trained_it + 1, train_metrics, echo=False)  # async: the last steps finish after the loop
     rl_seconds = time.time() - t_run
-    timeline = getattr(pipeline, "timeline", None)
-    if timeline is not None and len(timeline):
+    timeline = pipeline.timeline
+    if len(timeline):
         from streamrl.metrics.timeline import gantt
 
         timeline.to_json(out / "timeline.json")

@@ -1,7 +1,9 @@
 """One pipeline object per mode; the driver calls ``step`` once per RL iteration.
 
 ``step(iteration, prompts) -> (samples, metrics)`` generates the iteration's samples, scores
-them, trains on them and leaves the new weights installed where the mode requires.
+them, trains on them and leaves the new weights installed where the mode requires. What the
+mode decides (colocated or not, streaming or not, the staleness bound) comes from its
+``modes.ModeSpec``; the placement plan is computed once by the driver and handed down.
 """
 
 from __future__ import annotations
@@ -11,18 +13,49 @@ import time
 import ray
 
 from streamrl.config import Config
-from streamrl.types import Completion, GenRequest
+from streamrl.metrics.timeline import Timeline
+from streamrl.modes import get_mode
+from streamrl.placement import PlacementPlan
+from streamrl.types import Completion, GenRequest, TrainResult
 
 
-class ColocatedPipeline:
+class Pipeline:
+    """What the driver calls; each mode's pipeline implements it."""
+
+    timeline: Timeline
+
+    def generate(self, requests: list[GenRequest]) -> list[Completion]:
+        """Generate ``requests`` with the current weights (evaluation), outside any iteration."""
+        raise NotImplementedError
+
+    def step(self, iteration: int, prompts, upcoming=None):
+        """One RL iteration: ``(samples, metrics)``."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait for every pending training step and install the newest weights."""
+
+    def unreported_train_metrics(self) -> list[tuple[int, dict]]:
+        """``(iteration, metrics)`` of finished training steps no ``step`` has returned yet."""
+        return []
+
+    def save(self, path: str, extra: dict) -> None:
+        raise NotImplementedError
+
+    def load(self, path: str) -> dict:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class ColocatedPipeline(Pipeline):
     """Generation and training time-share one Ray worker (see ``colocated.py``)."""
 
-    def __init__(self, cfg: Config, ctx) -> None:
+    def __init__(self, cfg: Config, ctx, plan: PlacementPlan) -> None:
         from streamrl.controller.colocated import ColocatedWorker
 
-        self.cfg, self.ctx = cfg, ctx
-        from streamrl.metrics.timeline import Timeline
-
+        self.cfg, self.ctx, self.plan = cfg, ctx, plan
         threads = cfg.cluster.num_cpus
         self.worker = ColocatedWorker.options(num_cpus=threads).remote(cfg.model_dump(), threads)
         self.timeline = Timeline()
@@ -62,7 +95,7 @@ class ColocatedPipeline:
         ray.kill(self.worker)
 
 
-class DisaggPipeline:
+class DisaggPipeline(Pipeline):
     """Separate generation instances (the SGS) and trainer actor; three modes.
 
     - ``disagg-batch``: generate the whole batch, then hand it to the trainer, then push weights.
@@ -80,37 +113,33 @@ class DisaggPipeline:
     ranks in a placement group (``fsdp``, and always on GPU); the pipeline is the same.
     """
 
-    def __init__(self, cfg: Config, ctx) -> None:
-        from streamrl.metrics.timeline import Timeline
+    def __init__(self, cfg: Config, ctx, plan: PlacementPlan) -> None:
         from streamrl.sgs.service import StreamGenerationService
         from streamrl.trainer.actor import TrainerActor
 
-        self.cfg, self.ctx = cfg, ctx
-        self.mode = cfg.mode
-        self.max_staleness = 1 if cfg.mode == "stream-async" else 0
+        self.cfg, self.ctx, self.plan = cfg, ctx, plan
+        self.mode = get_mode(cfg.mode)
+        self.max_staleness = self.mode.max_staleness
         if cfg.trainer.backend == "fsdp":
-            from streamrl.placement import plan_placement
-
-            plan_placement(cfg)  # an impossible plan fails here, naming the keys, not inside the trainer actor
             # The actor only drives the FSDP2 ranks (their placement group holds the CPUs/GPUs).
             trainer_cpus = 0
         else:
             trainer_cpus = cfg.trainer.threads
         self.trainer = TrainerActor.options(num_cpus=trainer_cpus).remote(
             cfg.model_dump(), cfg.trainer.threads, self.max_staleness)
-        self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch)
+        self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch, plan=plan)
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
         for _ in range(cfg.generation.num_instances):
             self.sgs.add_instance()
         self.sgs.update(ray.get(self.trainer.publish.remote()), 0)
         self.pending: dict[int, ray.ObjectRef] = {}
-        self.results: dict[int, dict] = {}
+        self.results: dict[int, TrainResult] = {}
         self._reported: set[int] = set()  # iterations whose training metrics went out with a step
         self.timeline = Timeline()
         self._last_step_end = None
 
     # ------------------------------------------------------------------------------ weights
-    def _result(self, it: int) -> dict:
+    def _result(self, it: int) -> TrainResult:
         if it not in self.results:
             self.results[it] = ray.get(self.pending.pop(it))
         return self.results[it]
@@ -119,7 +148,7 @@ class DisaggPipeline:
         if needed <= self.sgs.version:
             return
         res = self._result(needed - 1)
-        self.sgs.update(res["handle"], res["version"])
+        self.sgs.update(res.handle, res.version)
 
     # ------------------------------------------------------------------------------- one step
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
@@ -138,7 +167,7 @@ class DisaggPipeline:
         requests = self.ctx.builder.build(prompts, iteration)
         expected = len({r.prompt_id for r in requests})
         samples, groups_open, last_ref = [], {}, None
-        if self.mode == "disagg-batch":
+        if not self.mode.streaming:
             completions = list(self.sgs.generate(requests))
             samples = [self.ctx.scorer.score(c, iteration) for c in completions]
             from streamrl.controller.common import group_samples
@@ -178,10 +207,10 @@ class DisaggPipeline:
                    "gen/tokens_per_s": sum(s.num_response_tokens for s in samples) / max(gen_end - t0, 1e-9),
                    "staleness/max": max((self.sgs.version - s.completion.version_start for s in samples), default=0),
                    **self.sgs.take_metrics()}  # ranker recall/Spearman of this batch, rebalancing counters
-        if self.mode != "stream-async":
+        if self.max_staleness == 0:
             res = self._result(iteration)
-            self.sgs.update(res["handle"], res["version"])
-            metrics.update(res["metrics"])
+            self.sgs.update(res.handle, res.version)
+            metrics.update(res.metrics)
             self._reported.add(iteration)
         else:
             # Never block here: the trainer may still be on iteration - 1 (that is the overlap).
@@ -192,14 +221,14 @@ class DisaggPipeline:
             # that finished late is reported here, not lost), named by ``train/iteration``.
             late = sorted(set(self.results) - self._reported)
             if late:
-                metrics.update(self.results[late[0]]["metrics"])
+                metrics.update(self.results[late[0]].metrics)
                 metrics["train/iteration"] = late[0]
                 self._reported.add(late[0])
         metrics["time/step_s"] = time.time() - (self._last_step_end or t0)
         self._last_step_end = time.time()
         # Instance events only: a call to the trainer actor would queue behind its training
         # work and turn the asynchronous pipeline back into a synchronous one.
-        self._collect_events(trainer=self.mode != "stream-async")
+        self._collect_events(trainer=self.max_staleness == 0)
         return samples, metrics
 
     def unreported_train_metrics(self) -> list[tuple[int, dict]]:
@@ -207,7 +236,7 @@ class DisaggPipeline:
         last ones of an asynchronous run, after ``finish``); each is returned once."""
         late = sorted(set(self.results) - self._reported)
         self._reported.update(late)
-        return [(it, {**self.results[it]["metrics"], "train/iteration": it}) for it in late]
+        return [(it, {**self.results[it].metrics, "train/iteration": it}) for it in late]
 
     def finish(self) -> None:
         """Wait for every pending training result and install the newest weights."""
@@ -215,15 +244,13 @@ class DisaggPipeline:
             self._result(it)
         if self.results:
             last = self.results[max(self.results)]
-            if last["version"] > self.sgs.version:
-                self.sgs.update(last["handle"], last["version"])
+            if last.version > self.sgs.version:
+                self.sgs.update(last.handle, last.version)
         self._collect_events()
 
     def _collect_events(self, trainer: bool = True) -> None:
-        from streamrl.metrics.timeline import Event
-
         evs = (ray.get(self.trainer.drain_events.remote()) if trainer else []) + self.sgs.drain_events()
-        self.timeline.extend(Event(who, what, it, v, s, e) for who, what, it, v, s, e in evs)
+        self.timeline.extend(evs)
 
     def trained_ids(self) -> list[str]:
         return ray.get(self.trainer.drain_trained_ids.remote())

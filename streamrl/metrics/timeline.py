@@ -25,39 +25,14 @@ import re
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from streamrl.types import Event  # noqa: F401  (the record; re-exported for callers of the timeline)
+
 STANDARD_KINDS = ("generate", "train", "prepare", "weight_push", "weight_load", "eval", "idle")
 NOT_BUSY = frozenset({"idle"})
-
-
-@dataclass(frozen=True)
-class Event:
-    """One stage interval of one worker."""
-
-    who: str
-    """The row it belongs to: ``"trainer"``, ``"gen-0"``, ``"driver"``."""
-    what: str
-    """The kind of work; see ``STANDARD_KINDS``."""
-    iteration: int
-    """RL iteration the work belongs to (-1 when none, e.g. a warm-up)."""
-    version: int
-    """Policy version in use (generating with, training from, or pushing)."""
-    start: float
-    """Wall-clock seconds (``time.time()``)."""
-    end: float
-    meta: dict[str, Any] = field(default_factory=dict)
-    """JSON-able extras: ``{"samples": 8, "tokens": 912, "bytes": 4e6}``."""
-
-    def __post_init__(self) -> None:
-        if not self.end >= self.start:
-            raise ValueError(f"event {self.who}/{self.what} ends before it starts: start={self.start} end={self.end}")
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
 
 
 class Timeline:

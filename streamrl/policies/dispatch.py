@@ -36,17 +36,23 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel
 
 
-class DispatchPolicy(Protocol):
+class DispatchPolicy:
+    """One-method interface: ``assign``; ``observe`` (finished lengths, for policies that learn the
+    length distribution, e.g. Algorithm 2's P50/P90) is a no-op unless a policy needs it."""
+
     name: str
 
     def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
         """Instance index for each request, in request order."""
-        ...
+        raise NotImplementedError
+
+    def observe(self, output_lengths: Sequence[float]) -> None:
+        """The actual output lengths of a finished batch."""
 
 
 def _check(num_instances: int) -> None:
@@ -54,7 +60,7 @@ def _check(num_instances: int) -> None:
         raise ValueError(f"num_instances={num_instances}: need at least one generation instance")
 
 
-class RandomDispatch:
+class RandomDispatch(DispatchPolicy):
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
@@ -65,7 +71,7 @@ class RandomDispatch:
         return [self.rng.randrange(num_instances) for _ in predicted_lengths]
 
 
-class RoundRobinDispatch:
+class RoundRobinDispatch(DispatchPolicy):
     name = "round-robin"
 
     def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
@@ -84,7 +90,7 @@ def _greedy_least_loaded(lengths: Sequence[float], order: Sequence[int], instanc
         count[inst] += 1
 
 
-class LeastLoadedDispatch:
+class LeastLoadedDispatch(DispatchPolicy):
     name = "least-loaded"
 
     def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
@@ -104,7 +110,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-class _RecentLengths:
+class _RecentLengths(DispatchPolicy):
     """Dispatch that reads the recent output-length distribution (``history``); the SGS calls
     ``observe`` with each finished batch's lengths."""
 

@@ -65,6 +65,20 @@ class Ranker(ABC):
     """Estimates output lengths of prompts; higher score = longer expected response."""
 
     name: str = "ranker"
+    # Capabilities, declared here so callers never probe with getattr/hasattr.
+    needs_policy: bool = False
+    """It fine-tunes or runs a model: ``make_ranker`` hands it ``model_path`` (the policy)."""
+    uses_traces: bool = False
+    """It reads sampled responses (``observe``'s traces) and is given the sampling temperature."""
+    rescore_all: bool = True
+    """Its scores are cheap: the online table rescores every registered prompt after each refresh
+    (False: scoring costs a policy pass per remembered response, so only what is asked for)."""
+    scores_with_policy: bool = False
+    """Its scores depend on the installed policy (``set_policy`` is called with each version)."""
+
+    def set_policy(self, weights, version: int) -> None:
+        """Install policy ``version`` (a state dict or a checkpoint path); rankers with
+        ``scores_with_policy`` override it."""
 
     @abstractmethod
     def fit(self, texts: Sequence[str], lengths: Sequence[float], keys: Sequence[str] | None = None) -> "Ranker":
@@ -107,8 +121,8 @@ def make_ranker(name: str, policy_path: str | None = None, temperature: float | 
         raise ValueError(f"unknown ranker {name!r}; known: {sorted(RANKERS)}")
     module_name, cls_name = RANKERS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    if getattr(cls, "needs_policy", False) and kwargs.get("model_path") is None:
+    if cls.needs_policy and kwargs.get("model_path") is None:
         kwargs["model_path"] = policy_path
-    if getattr(cls, "uses_traces", False) and temperature is not None:
+    if cls.uses_traces and temperature is not None:
         kwargs.setdefault("temperature", temperature)
     return cls(**kwargs)

@@ -2,9 +2,7 @@
 
 A record is one response: ``(key, text, length, step)`` — prompt identity, prompt text, output
 length, and when it was generated (checkpoint / RL iteration; 0 for a static file). Loaders at
-the end turn the real data files into records; the live-policy evaluation only has to write its
-samples as JSONL (``load_samples_jsonl``) to reuse everything here. Keys of the real files are
-``sha1(question)[:12]``, the key the SkyThought CSV already uses, so prompts match across files.
+``ranker/records.py`` turn the real data files and rollout logs into records.
 
 Protocols (no evaluation sample is ever seen in training):
 
@@ -30,27 +28,17 @@ Beside each ranker, every protocol reports:
   but the best any model that learns the *task* can do: where it falls short of the oracle, the
   policy's own mistakes set the lengths, and no prompt-only ranker of the task can rank them.
 
-Units (the ``unit`` column). ``sample``: every response is ranked on its own, as above. For GRPO
-the dispatch unit is the group of n samples of one prompt, so each row is also computed per
-group: within an evaluation batch, the samples of one prompt key form a group whose truth is the
-mean (``group-mean``) or the max (``group-max``: when the group finishes) of their lengths, and
-whose score is the mean of their scores (identical for text and history rankers). Recall and
-Spearman are then over the groups of a batch (``n`` counts groups), averaged by group count;
-a batch with fewer than two groups is left out. The group-level oracle cannot use the group's own
-samples: it is ``oracle (other samples)``, the mean of the prompt's samples outside the group,
-where every group has some (held-out samples, streaming); else ``oracle (half vs half)``: each
-group's samples split alternately into two halves, one half's mean ranks the other half's
-mean / max, averaged over both directions (held-out prompts, where a group is all of a prompt's
-samples). Its truth is half a group, noisier than the rankers' truth, so it is a lower bound on
-the group-level noise ceiling; NaN where groups have single samples.
+Units (the ``unit`` column). ``sample``: every response ranked on its own. GRPO dispatches the
+group of one prompt's samples, so each row is also computed per group within a batch: truth the
+mean (``group-mean``) or max (``group-max``) of their lengths, score the mean of their scores;
+``n`` counts groups, and a batch with fewer than two is left out. The group oracle is ``oracle
+(other samples)`` (the prompt's samples outside the group) where every group has some, else
+``oracle (half vs half)`` (one alternate half of a group ranks the other; noisier truth, so a
+lower bound on the group-level noise ceiling).
 """
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import json
-import re
 import random as _random
 from collections import defaultdict
 from dataclasses import dataclass
@@ -61,36 +49,12 @@ import numpy as np
 
 from streamrl.ranker.base import Ranker, make_ranker
 from streamrl.ranker.metrics import DEFAULT_FRACS, ceiling_scores, rank_metrics
+from streamrl.ranker.records import (AIME_FILE, MATH500_FILE, QWEN_MATH_FILE, SKYTHOUGHT_CSV, LengthRecord, load_qwen_math, load_samples_jsonl,
+                                     load_skythought_checkpoints, load_skythought_math500, require_files)
 
 METRIC_KEYS = tuple(f"recall@{f * 100:g}%" for f in DEFAULT_FRACS) + ("spearman",)
 UNITS = ("sample", "group-mean", "group-max")
 _REDUCE = {"group-mean": np.mean, "group-max": np.max}
-
-
-@dataclass(frozen=True)
-class LengthRecord:
-    """One response of a policy to a prompt."""
-
-    key: str
-    """Stable prompt identity (dataset index or question hash); samples of one prompt share it."""
-    text: str
-    """The prompt text the ranker reads."""
-    length: float
-    """Output length (tokens or whitespace tokens; one unit per data set)."""
-    step: int = 0
-    """When it was generated: checkpoint or RL iteration, in order; 0 for a static file."""
-    response: str | None = None
-    """The response text (a rollout log row's ``response``), for rankers that read responses."""
-    finish_reason: str | None = None
-    """``stop`` (ended on EOS) or ``length`` (hit the token cap)."""
-    logprob: float | None = None
-    """Sum of the sampled tokens' log-probs under the generating policy (the rollout log's ``logprob``)."""
-    version: int | None = None
-    """Policy version that generated it (the rollout log's ``version_start``)."""
-    token_logprobs: tuple[float, ...] | None = None
-    """The same log-probs token by token (the rollout log's ``logprobs``), when it has them."""
-    output_ids: tuple[int, ...] | None = None
-    """The generated token ids (the rollout log's ``output_ids``), when it has them."""
 
 
 @dataclass
@@ -103,39 +67,12 @@ class Prediction:
     seen: list[LengthRecord]
 
 
-def load_samples_jsonl(path: str | Path, step_field: str = "step") -> list[LengthRecord]:
-    """Records from a JSONL of ``{"key", "text", "length", "step"}`` rows (the live-policy format).
-
-    ``step_field`` names the column that orders the records (a run's rollout log,
-    ``metrics/samples.py``, has ``iteration`` and ``epoch``); a missing ``step`` means 0, a missing
-    column named otherwise is an error."""
-    required = ("key", "text", "length") + (() if step_field == "step" else (step_field,))
-    out = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise ValueError(f"{path} line {line_no}: missing fields {missing} in {sorted(row)}")
-            out.append(LengthRecord(str(row["key"]), str(row["text"]), float(row["length"]), int(row.get(step_field, 0)),
-                                    response=row.get("response"), finish_reason=row.get("finish_reason"),
-                                    logprob=None if row.get("logprob") is None else float(row["logprob"]),
-                                    version=None if row.get("version_start") is None else int(row["version_start"]),
-                                    token_logprobs=None if row.get("logprobs") is None else tuple(row["logprobs"]),
-                                    output_ids=None if row.get("output_ids") is None else tuple(row["output_ids"])))
-    if not out:
-        raise ValueError(f"{path}: no records")
-    return out
-
-
 def _traces(ranker: Ranker, recs: Sequence[LengthRecord]) -> dict:
     """``{"traces": ...}`` for a ranker that reads responses (``uses_traces``), else ``{}``.
 
     A record without a logged response (text or ids) or log-prob gives ``None`` (its length counts,
     unweighted)."""
-    if not getattr(ranker, "uses_traces", False):
+    if not ranker.uses_traces:
         return {}
     return {"traces": [None if r.logprob is None or (r.response is None and r.output_ids is None)
                        else ranker.trace_of(r.response, r.finish_reason or "length", r.logprob, r.token_logprobs,
@@ -208,7 +145,7 @@ def streaming(records: Sequence[LengthRecord], factory: Callable[[], Ranker], wa
     for step in steps[warmup_steps:]:
         batch = [r for r in records if r.step == step]
         versions = [r.version for r in batch if r.version is not None]
-        if policy_at is not None and versions and hasattr(ranker, "set_policy"):
+        if policy_at is not None and versions and ranker.scores_with_policy:
             ckpt = policy_at(min(versions))
             if ckpt is not None and ckpt != installed:
                 ranker.set_policy(*ckpt)
@@ -424,81 +361,6 @@ def evaluate(protocol: str, records: Sequence[LengthRecord], rankers: Sequence[s
     return [{"protocol": protocol, **row} for row in rows]
 
 
-# -- real data files (README in the data dir) --------------------------------------------------
-QWEN_MATH_FILE = "qwen25math_math_cot_100.jsonl"
-SKYTHOUGHT_CSV = "skythought_response_lengths.csv"
-AIME_FILE = "skythought_sky-t1-math-correct-5k-32b_ckpt140_aime24.jsonl"
-MATH500_FILE = "math500_test.jsonl"
-CKPT_RUN = "Sky-T1-math-correct-5K-32B-ckpts/checkpoint-"
-
-
-def question_key(question: str) -> str:
-    """The SkyThought CSV's ``question_sha1_12``."""
-    return hashlib.sha1(question.encode()).hexdigest()[:12]
-
-
-def _jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def load_qwen_math(data_dir: Path) -> list[LengthRecord]:
-    """100 MATH prompts x 8 Qwen2.5-Math responses; length in whitespace tokens."""
-    out = []
-    for line_no, row in enumerate(_jsonl(data_dir / QWEN_MATH_FILE), 1):
-        responses = row.get("code")
-        if not isinstance(responses, list) or not all(isinstance(x, str) for x in responses):
-            raise ValueError(f"{QWEN_MATH_FILE} line {line_no}: 'code' must be a list of responses, got {type(responses).__name__}")
-        key = question_key(row["question"])
-        out.extend(LengthRecord(key, row["question"], float(len(x.split()))) for x in responses)
-    return out
-
-
-def _texts_by_key(path: Path, field: str) -> dict[str, str]:
-    return {question_key(row[field]): row[field] for row in _jsonl(path)}
-
-
-def _csv_rows(data_dir: Path) -> list[dict]:
-    with open(data_dir / SKYTHOUGHT_CSV, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _with_text(rows: list[dict], texts: dict[str, str], step_of: Callable[[dict], int]) -> list[LengthRecord]:
-    missing = sorted({r["question_sha1_12"] for r in rows} - set(texts))
-    if missing:
-        raise ValueError(f"{len(missing)} CSV prompts have no question text, e.g. {missing[:3]}")
-    return [LengthRecord(r["question_sha1_12"], texts[r["question_sha1_12"]], float(r["response_wtok"]), step_of(r))
-            for r in rows]
-
-
-def load_skythought_checkpoints(data_dir: Path) -> list[LengthRecord]:
-    """The 30 AIME24 prompts under the 11 checkpoints of Sky-T1-32B; step = checkpoint number."""
-    rows = [r for r in _csv_rows(data_dir) if r["dataset"] == "aime24" and CKPT_RUN in r["source_path"]]
-    if not rows:
-        raise ValueError(f"{SKYTHOUGHT_CSV}: no aime24 rows with {CKPT_RUN!r} in source_path")
-
-    def step_of(r: dict) -> int:
-        return int(re.search(re.escape(CKPT_RUN) + r"(\d+)", r["source_path"]).group(1))
-
-    return _with_text(rows, _texts_by_key(data_dir / AIME_FILE, "question"), step_of)
-
-
-def load_skythought_math500(data_dir: Path) -> dict[str, list[LengthRecord]]:
-    """MATH-500 responses per model (one greedy response per prompt), text from the MATH-500 file."""
-    texts = _texts_by_key(data_dir / MATH500_FILE, "problem")
-    by_model: dict[str, list[dict]] = defaultdict(list)
-    for r in _csv_rows(data_dir):
-        if r["dataset"] == "math500":
-            by_model[r["model_label"].split("/")[-1]].append(r)
-    return {m: _with_text(rows, texts, lambda r: 0) for m, rows in sorted(by_model.items())}
-
-
-def _require(data_dir: Path, *names: str) -> None:
-    missing = [n for n in names if not (data_dir / n).exists()]
-    if missing:
-        raise FileNotFoundError(f"data files missing in {data_dir}: {missing} (set $STREAMRL_DATA_DIR or --data-dir)")
-
-
 def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: dict[str, dict] | None = None,
               file: str | Path | None = None, folds: int | None = None, seed: int = 0,
               protocols: Sequence[str] | None = None, step_field: str = "step",
@@ -517,7 +379,7 @@ def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: 
 
     out = []
     if data == "qwen-math":
-        _require(data_dir, QWEN_MATH_FILE)
+        require_files(data_dir, QWEN_MATH_FILE)
         recs = load_qwen_math(data_dir)
         out.append(("qwen-math: held-out prompts", run("prompts", recs), f"{folds or 5}-fold by prompt"))
         out.append(("qwen-math: held-out samples of seen prompts", run("samples", recs),
@@ -528,7 +390,7 @@ def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: 
             out.append(("train MATH-500 (Qwen2.5-Math-7B) -> test qwen-math", run("transfer", train, recs),
                         f"{len({r.key for r in train})} other prompts, another model"))
     elif data == "skythought":
-        _require(data_dir, SKYTHOUGHT_CSV, AIME_FILE, MATH500_FILE)
+        require_files(data_dir, SKYTHOUGHT_CSV, AIME_FILE, MATH500_FILE)
         ckpt = load_skythought_checkpoints(data_dir)
         steps = sorted({r.step for r in ckpt})
         out.append((f"skythought AIME24: checkpoints {steps[0]}..{steps[-1]}", run("streaming", ckpt),

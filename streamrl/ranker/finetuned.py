@@ -12,34 +12,19 @@ head on the hidden state of the prompt's last token. The whole network is fine-t
     update(recent) = both networks trained on the window of recent samples for a few epochs,
                      built aside and swapped in under a lock
 
-The probe is kept as a second ensemble member because it is already trained: on two held-out
-folds of the records below, the average of the two ranked groups better than the final network
-alone (recall@20/10/5 % .869/.799/.683 against .860/.793/.647, mean of the folds).
+The probe is kept as a second ensemble member because it is already trained, and the average of
+the two ranked held-out groups better than the final network alone.
 
 Why start from the policy's weights: the ranker has to predict what *this* policy will do with a
 prompt, including its systematic mistakes, and the policy's network already computes the features
 that drive them. A prompt-only regression on the text (``learned``) can at best learn the task;
 on the synthetic task the policy's runaway and early-stopping chains decide the longest groups,
-and the task's own solution length ranks them worse than the fine-tuned policy does. Measured,
-``streamrl rank eval --data samples`` on 4,096 prompts x 8 samples of the seed-0 RL policy (T = 1),
-5 folds by prompt (evaluation prompts never trained on), recall@20/10/5 % and Spearman
-(``docs/bench/rank_live4096.json``)::
-
-                          per GRPO group (mean length)   per sample
-    lm                    .855 .789 .732 .969            .795 .669 .569 .929
-    learned               .744 .630 .598 .943            .704 .541 .488 .907
-    task solution length  .800 .662 .626 .949            .744 .599 .539 .906   (diagnostic)
-    oracle                .914 .880 .878 .980 (half vs half)  .811 .697 .601 .933 (other samples)
-
-With 8,192 prompts x 8 (``rank_live8192.json``): lm .873 .791 .713 .974 per group, .800 .672 .559
-.934 per sample (oracles .911 .894 .883 .980 and .810 .689 .590 .935).
-
-The same network fine-tuned from random weights (one fold): .756 .671 .585 per group, against
-.848 .805 .683 from the policy's weights; the start is what carries the signal.
+and the task's own solution length ranks them worse than the fine-tuned policy does. The same
+network from random weights ranks far worse: the start carries the signal (docs/experiments.md).
 
 Cost: a fit is minutes of CPU on thousands of prompts (the paper: "minutes of training"), run
 before the first iteration and in the online refresh's background thread; scoring is one forward
-pass per 512 prompts (~0.1 s for 1,000 short prompts on this CPU), off the critical path.
+pass per 512 prompts, off the critical path.
 
 Falls back to a constant prediction (the mean) while fewer than ``min_prompts`` distinct prompts
 have been seen, so a cold start does not fine-tune on a handful of groups.

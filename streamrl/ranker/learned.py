@@ -9,61 +9,20 @@ Data flow of ``LearnedRanker`` (``learned``, the default)::
     └─ β in {0, 0.1, ..., 1}: lowest weighted held-out MSE of  β r_i + (1 - β) t_i
     score(texts) = expm1(β r(x) + (1 - β) t(x))
 
-``RidgeRanker`` (``learned-ridge``) is the ridge alone: the ranker before the trees were added.
+``RidgeRanker`` (``learned-ridge``) is the ridge alone.
 
 Why the ridge: with no pretrained weights the ranker learns from the few hundred prompts of one
-policy's history, and what matters is new prompts. Held-out-prompt Spearman (5-fold, ``streamrl
-rank eval``), ridge / tiny char-CNN (2 conv layers, byte embeddings, RankNet pairwise loss, 15
-epochs) / prompt length alone:
-
-    qwen-math (80 training prompts)          0.43 / 0.39 / 0.44
-    MATH-500 gemma-2-27b (400 prompts)       0.62 / 0.52 / 0.34
-
-The ridge fits in ~1 s on this CPU (the CNN ~25 s per fit) and scores 1,000 prompts in ~0.25 s.
-Tried and dropped (mean Spearman within 0.02 on qwen-math + five MATH-500 models): n-grams 2–5 or
-1–3, 2**12 buckets, numeric weight 0–8. With few prompts (qwen-math) nothing beats prompt length
-by much: the text carries little length signal beyond size; history (``history.py``) does.
+policy's history and must rank new prompts; a ridge fits in about a second and ranked held-out
+prompts better than a small char-CNN. With few prompts nothing beats prompt length by much: the
+text carries little length signal beyond size; history (``history.py``) does.
 
 Why the trees: a ridge on n-gram counts is linear and blind to where an n-gram sits, so it cannot
-express a length set by one character at the start *interacting* with characters at the end. The
-synthetic task is exactly that (``U``/``D`` first, then the last two digits of ``a`` and the step
-``s``: ``tasks/synthetic.py``). Trees on the code point at each of the first and last K positions
-(left- and right-aligned, so prompts of different length line up at both ends) split on "first
-character" and then "fifth from the end <= '3'": interactions and ordered digits, without parsing
-anything task-specific. The same features on math word problems carry little, and the blend
-weight β, chosen on held-out predictions, then stays at or near 1 (the ridge).
-
-Measured, ``streamrl rank eval`` (held-out prompts, 5-fold; per sample), recall@20/10/5 % and
-Spearman, ``learned-ridge`` -> ``learned``:
-
-    synthetic live records (512 x 8)   .546 .383 .312 .775 -> .684 .582 .425 .890  (oracle .770 .649 .476 .931)
-    qwen-math (100 x 8)                .356 .278 .225 .426 -> the same (β = 1 in every fold)
-    MATH-500 Qwen2.5-14B-Instruct      .470 .300 .280 .581 -> .480 .320 .280 .579
-    MATH-500 Qwen2.5-Math-7B           .200 .120 .040 .201 -> .190 .140 .040 .194
-    MATH-500 Sky-T1 27B                .435 .260 .120 .512 -> .425 .260 .120 .509
-    MATH-500 Sky-T1 32B short          .510 .380 .240 .574 -> .510 .360 .240 .572
-    MATH-500 gemma-2-27b-it            .570 .350 .200 .615 -> .570 .350 .240 .616
-    AIME24 checkpoints (streaming)     .483 .333 .250 .713 -> the same
-    MATH-500 -> qwen-math (transfer)   .256 .113 .075 .065 -> .256 .100 .075 .069
-
-Per GRPO group (unit ``group-mean``: a prompt's 8 samples as one unit, truth their mean length),
-synthetic held-out prompts: .578 .480 .320 .793 -> .744 .720 .480 .924, where one half of each
-group ranking the other half (``oracle (half vs half)``) reaches .883 .880 .840 .979.
-
-On the math files β is 0.6–1 (mostly 1) and the differences are one or two prompts of a fold's top
-5–20 %; on the synthetic records β is 0.1–0.2 and the trees close 60–75 % of the gap to the
-oracle. Cost on this CPU (one thread): fit 0.19 -> 0.70 s (4,096 samples of 512 prompts; 0.18 ->
-0.73 s on 500 MATH-500 prompts), scoring 1,000 prompts 0.15 -> 0.35 s (0.13 s for both when
-β = 1: the trees are skipped).
-
-Tried and dropped on the synthetic held-out prompts: a 2-layer MLP (64 units, AdamW, 400 full-batch
-epochs) on one-hot positions + counts, .65 .47 .27 .86 at ~1.2 s per fit; trees that start from the
-ridge's LOO prediction and fit its residual, or take it as a feature, .68 .50 .41 .86 (the n-gram
-model is a poor start there); the trees alone (β = 0) .694 .592 .391 .894, no better than the blend
-and without its protection on the math files; depth 2 or 4, K = 4, l2 0.125, learning rate 0.2,
-600 rounds: recall@20 % 0.66–0.70, within the fold noise. An earlier prototype with
-position-anchored n-grams in a polynomial-kernel ridge reached .59 .43 .38: an isotropic kernel
-cannot learn that the hundreds digit does not matter while the first character does.
+express a length set by one character at the start *interacting* with characters at the end (the
+synthetic task: ``U``/``D`` first, then the last digits of ``a`` and the step ``s``). Trees on the
+code point at each of the first and last K positions (left- and right-aligned, so prompts of
+different length line up at both ends) split on such interactions without parsing anything
+task-specific. On math word problems they carry little, and β, chosen on held-out predictions,
+stays at or near 1 (the ridge). Measurements: docs/experiments.md.
 
 Features: character 1–4-grams hashed (stable multiply-shift hash, not Python's salted ``hash``)
 into ``2**hash_bits`` buckets, sublinear counts ``log1p``, each row L2-normalised; plus

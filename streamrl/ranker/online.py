@@ -46,12 +46,15 @@ import logging
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from streamrl.ranker.base import Ranker
 from streamrl.ranker.metrics import rank_metrics
+
+if TYPE_CHECKING:
+    from streamrl.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class OnlineRanker:
         self.refresh_enabled = refresh
         # False for rankers whose scores cost a policy forward pass per remembered response
         # (``reweighted``): the table then holds only what was prefetched or asked for.
-        self._rescore_all = getattr(ranker, "rescore_all", True)
+        self._rescore_all = ranker.rescore_all
         self._lock = threading.Lock()
         self._texts: dict[str, str] = {}
         self._table: dict[str, float] = {}
@@ -153,13 +156,13 @@ class OnlineRanker:
             self.counters["rank/unregistered_skipped"] += len(keys) - len(known)
             if not known:
                 return
-        use_traces = traces is not None and getattr(self.ranker, "uses_traces", False)
+        use_traces = traces is not None and self.ranker.uses_traces
         self._put(("observe", [keys[i] for i in known], [lens[i] for i in known],
                    [traces[i] for i in known] if use_traces else None))
 
     def set_policy(self, load, version: int) -> None:
         """Queue installing policy ``version`` (``load()`` gives its state dict); a no-op for text rankers."""
-        if hasattr(self.ranker, "set_policy"):
+        if self.ranker.scores_with_policy:
             self._raise_if_failed()
             self._put(("policy", load, int(version)))
 
@@ -290,3 +293,29 @@ def batch_rank_metrics(predicted: Sequence[float], actual: Sequence[float], pref
     if len(actual) < 2:
         return {}
     return {f"{prefix}{k}": v for k, v in rank_metrics(actual, predicted).items()}
+
+
+def state_dict_of(handle) -> dict:
+    """The weights behind a ``WeightHandle`` as owned tensors (for the driver's ranker)."""
+    from streamrl.weights.flat import unflatten
+    from streamrl.weights.transfer import RayObjectStoreTransport
+
+    return unflatten(RayObjectStoreTransport().fetch(handle), copy=True)
+
+
+def make_online_ranker(cfg: "Config") -> "OnlineRanker | None":
+    """The configured ranker wrapped for online use, fitted on ``ranker.fit_file`` if given; None for ``none``."""
+    r = cfg.ranker
+    if r.name == "none":
+        return None
+    from streamrl.ranker.base import make_ranker
+
+    ranker = make_ranker(r.name, policy_path=cfg.policy.path, temperature=cfg.generation.temperature, **r.kwargs)
+    online = OnlineRanker(ranker, default_length=max(1.0, cfg.generation.max_new_tokens / 2),
+                          refresh=r.refresh)
+    if r.fit_file:
+        from streamrl.ranker.records import load_samples_jsonl
+
+        recs = load_samples_jsonl(r.fit_file)
+        online.fit([x.key for x in recs], [x.text for x in recs], [x.length for x in recs])
+    return online

@@ -1,61 +1,40 @@
 """History reweighted to the current policy: an off-policy estimate of each prompt's mean length.
 
 The history ranker (``history.py``) predicts a prompt's output length from what the policy did
-with it in earlier epochs. During RL that history is a whole epoch old (16 iterations on the
-default run), and the policy has moved: which prompts it now runs away on, or now finishes, has
-changed. This ranker keeps the earlier *responses*, not only their lengths, and asks the
-current policy how likely each one is now. Self-normalised importance sampling then turns the
-old samples into an estimate of the current policy's expected length::
+with it in earlier epochs. During RL that history is a whole epoch old and the policy has moved.
+This ranker keeps the earlier *responses*, not only their lengths, and asks the current policy
+how likely each one is now (``estimator``)::
 
-    prompt k, earlier responses y_1..y_m, lengths L_j, behaviour log-probs b_j (the sampling
-    policy's, logged with every sample), current policy pi:
+    prompt k, earlier responses y_1..y_m, lengths L_j, behaviour log-probs b_j, current policy pi:
         d_j = log pi(y_j | k) - b_j                      one teacher-forced forward pass
-        w_j = exp(beta * d_j) / sum_i exp(beta * d_i)    beta = 1: plain self-normalised IS;
-                                                         beta < 1 tempers the weights
-        est(k) = sum_j w_j L_j
+        w_j = exp(beta * d_j) / sum_i exp(beta * d_i)    beta < 1 tempers the weights
+        est(k) = sum_j w_j L_j                           ``sequence``: self-normalised IS
 
-That is the ``sequence`` estimator: one weight per whole response. A 240-token response's
-log-ratio sums 240 terms, so a few responses take all the weight. Two estimators use the
-per-token behaviour log-probs (the rollout log's ``logprobs``, the engine's per-token log-probs
-live) to weigh each event only by the tokens that decide it. ``per_decision``: ``E[L] = sum_t
-P(L > t)``, and whether a response is still running after t tokens depends on its first t + 1
-tokens only, so ``P(L > t)`` is estimated with each response weighted by its ratio over those
-tokens (Precup, Sutton and Singh's per-decision importance sampling). ``hazard``: the same
-curve as a product of weighted stopping chances among the responses still running (a weighted
-Kaplan-Meier). Each reduces to the plain mean with equal ratios.
+``per_decision``: ``E[L] = sum_t P(L > t)``, each ``P(L > t)`` weighted by the ratio over the
+first t + 1 tokens only (per-decision importance sampling). ``hazard``: the same curve as a
+product of weighted stopping chances among the responses still running (a weighted
+Kaplan-Meier). Both use per-token behaviour log-probs and reduce to the plain mean with equal
+ratios.
 
-``tree`` needs no behaviour log-probs and no weights. The remembered responses form a trie, and
-the current policy gives, teacher-forced, the exact probability of every edge in it; the expected
-length is computed over the trie, and only the probability mass the policy puts on tokens no
-remembered response took (it leaves the tree there) is valued from history, at the mean length of
-the responses through that node (``_tree``). Where the policy now follows a remembered response
-closely (a correct chain it has learned since, which most of the old samples missed), the estimate
-follows that response's length however few of the old samples took it; self-normalised weights
-cannot, because they only re-share the weight among the samples drawn. Identical responses are
-one path, so a history of repeats costs one forward pass each.
+``tree`` (the default) needs no behaviour log-probs and no weights. The remembered responses
+form a trie, the current policy gives, teacher-forced, the exact probability of every edge, and
+the expected length is computed over the trie; only the mass the policy puts on tokens no
+remembered response took (it leaves the tree there) is valued from history, at the mean length
+of the responses through that node (``_tree``). Where the policy now follows a remembered
+response closely, the estimate follows that response's length however few old samples took it;
+self-normalised weights cannot, since they only re-share weight among the samples drawn.
+Identical responses are one path: one forward pass per distinct response.
 
 A prompt with no earlier response gets the prior's score (a text ranker: ``learned``, ``lm``),
 or the median of the recent lengths without one. Only the order of the estimates matters.
 
-Cost and freshness. Scoring a prompt is one forward pass of the policy over its remembered
-responses (``max_samples`` per prompt, the most recent), so scores depend on the installed
-policy: ``set_policy(weights, version)`` installs new weights (built aside, swapped under the
-lock), and each prompt's estimate is cached until the policy or its history changes. The live
-system (``OnlineRanker``) installs each weight version the SGS receives and scores the *next*
-batch in its background thread (``prefetch``), so dispatch reads a table as with the other
-rankers; that batch is then scored under a policy one version older than the one that will
-generate it. On a GPU cluster the same forward pass is a prefill of the remembered responses;
-here it runs in the driver process on the CPU.
-
-Memory: ``max_samples`` responses (token ids) per prompt seen, for every prompt of the dataset.
-
-Measured per GRPO group on the iterations of epochs 1-2 of RL runs of the tiny policy (README,
-ranker section), recall@20/10/5 % and Spearman. Session 11, four runs, each scored by every
-estimator: ``tree`` .911 .823 .745 .983, .892 .870 .839 .982, and live in the loop .928 .839 .812
-.978 and .913 .831 .771 .981 (mean .911 .840 .792); ``sequence`` (beta 0.5) mean .896 .822 .750;
-``per_decision`` .903 .821 .754; ``hazard`` .908 .826 .757. ``tree`` is the default: the best on
-the mean at every cut. Session 9 (``sequence`` only): .892 .776 .750 and .867 .805 .760 offline,
-.889 .820 .719 live; beta = 0.5 was chosen on the first of those runs.
+Cost and freshness. ``set_policy(weights, version)`` installs new weights (built aside, swapped
+under the lock); each prompt's estimate is cached until the policy or its history changes. The
+live system (``OnlineRanker``) installs each version the SGS receives and scores the *next*
+batch in its background thread (``prefetch``), so dispatch reads a table and a batch is scored
+under the policy one version older than the one that generates it. On a GPU cluster the same
+forward pass is a prefill of the remembered responses; here it runs in the driver process.
+Memory: ``max_samples`` responses (token ids) per prompt seen. Measured recall: docs/results.md.
 """
 
 from __future__ import annotations
@@ -114,6 +93,7 @@ class ReweightedHistoryRanker(Ranker):
     name = "reweighted"
     needs_policy = True
     uses_traces = True
+    scores_with_policy = True
     rescore_all = False  # scoring costs a forward pass per remembered response: score what is asked
 
     def __init__(self, model_path: str | None = None, beta: float = 0.5, max_samples: int = 16,
@@ -212,6 +192,17 @@ class ReweightedHistoryRanker(Ranker):
             self.prior.update(texts, lens, keys)
         self._ingest(texts, lens, keys, traces)
 
+    @property
+    def model(self):
+        """The installed policy that scores (read-only: ``set_policy`` replaces it)."""
+        with self._lock:
+            return self._model
+
+    @property
+    def tokenizer(self):
+        """The tokenizer of the checkpoint at ``model_path`` (prompts and responses are encoded with it)."""
+        return self._tok
+
     def set_policy(self, weights: Mapping | str, version: int) -> None:
         """Install the policy that scores from now on: a state dict, or a checkpoint directory."""
         import copy
@@ -305,7 +296,7 @@ class ReweightedHistoryRanker(Ranker):
         length-sorted batches of at most ``batch_tokens``."""
         import torch
 
-        from streamrl.trainer.losses import token_logprobs
+        from streamrl.models.logprobs import token_logprobs
 
         n = len(prompts)
         out = [np.zeros(len(r)) for r in responses]

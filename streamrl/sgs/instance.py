@@ -14,19 +14,21 @@ Hold-back queue (``hold_back=True``, used when the SGS rebalances): the instance
 requests in its own priority heap (the engine's order: larger ``priority`` first, ties FIFO) and
 hands the engine only enough to fill its batch plus ``slack`` waiting ones, topping up before and
 after every ``poll``. Requests still in this heap have certainly not started, so ``take`` can give
-them back to the SGS to move elsewhere: they are removed here under the lock, atomically with
-respect to the top-up, so a request is either taken or handed to the engine, never both.
+them back to the SGS to move elsewhere (``preempt``): they are removed here under the lock,
+atomically with respect to the top-up, so a request is either taken or handed to the engine,
+never both.
 """
 
 from __future__ import annotations
 
-import copy
 import heapq
 import itertools
 import threading
 import time
 
 import ray
+
+from streamrl.types import Event, Partial, Progress
 
 
 @ray.remote(max_concurrency=4)
@@ -37,7 +39,7 @@ class GenerationInstance:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from streamrl.config import config_from_dict
-        from streamrl.controller.colocated import engine_kwargs
+        from streamrl.sgs.engines.build import engine_kwargs
         from streamrl.models.tiny import load_policy
         from streamrl.sgs.engines.base import make_engine
 
@@ -54,9 +56,9 @@ class GenerationInstance:
             model = model.eval()
         kwargs = {**engine_kwargs(cfg, tokenizer, threads, name, seed), **(engine_overrides or {})}
         self.engine = make_engine(cfg.generation.engine, model, **kwargs)
-        self.events: list[tuple] = []
+        self.events: list[Event] = []
         self.hold_back = hold_back
-        batch = int(getattr(self.engine, "settings", {}).get("max_inflight") or cfg.generation.max_requests_per_batch)
+        batch = int(self.engine.max_inflight or cfg.generation.max_requests_per_batch)
         self._engine_target = batch + max(2, batch // 2)  # running + waiting requests the engine may hold
         self._lock = threading.Lock()
         self._held: list[tuple[float, int, str]] = []  # (-priority, seq, request_id) heap
@@ -99,28 +101,18 @@ class GenerationInstance:
         with self._lock:
             return list(self._held_reqs)
 
-    def take(self, request_ids) -> list:
-        """Remove and return those of ``request_ids`` still held (not started); the rest stay."""
+    def progress(self) -> Progress:
+        """Where each unfinished request stands, for runtime rebalancing (see ``Progress``)."""
         with self._lock:
-            return [self._held_reqs.pop(r) for r in request_ids if r in self._held_reqs]
-
-    def progress(self) -> dict:
-        """Where each unfinished request stands, for runtime rebalancing: ``held`` (in this
-        actor's queue), ``waiting`` (in the engine's queue: not started either) and ``running``
-        (request_id -> tokens generated so far). ``preempt`` says whether running requests can
-        be stopped and resumed elsewhere."""
-        with self._lock:
-            held = list(self._held_reqs)
-        return {"held": held, "waiting": self.engine.waiting_ids(), "running": self.engine.progress(),
-                "preempt": bool(getattr(self.engine, "supports_preempt", False))}
+            held = tuple(self._held_reqs)
+        return Progress(held=held, waiting=tuple(self.engine.waiting_ids()), running=self.engine.progress(),
+                        preempt=self.engine.supports_preempt)
 
     def preempt(self, request_ids, running: bool = True) -> list:
         """Stop these requests wherever they are here and return a ``Partial`` for each one that
         was stopped (held or queued: empty outputs; running, if ``running``: its prefix). One
         that already finished, or is finishing, or runs while ``running`` is False, is left to
         complete here and is not in the list."""
-        from streamrl.types import Partial
-
         out = []
         for rid in request_ids:
             with self._lock:
@@ -128,7 +120,7 @@ class GenerationInstance:
             if req is not None:
                 out.append(Partial(req))
                 continue
-            if getattr(self.engine, "supports_preempt", False):
+            if self.engine.supports_preempt:
                 part = self.engine.preempt(rid, running)
                 if part is not None:
                     out.append(part)
@@ -141,7 +133,7 @@ class GenerationInstance:
         self._top_up()
         return out
 
-    def poll_with_progress(self, timeout: float = 0.5) -> tuple[list, dict]:
+    def poll_with_progress(self, timeout: float = 0.5) -> tuple[list, Progress]:
         """``poll`` and then ``progress`` in one call: a rebalancing SGS reads where requests
         stand from its polls instead of sending a call of its own (each Ray call costs the
         engine's process CPU time)."""
@@ -158,16 +150,8 @@ class GenerationInstance:
         t1 = time.time()
         self.engine.update_weights(unflatten(fw), version)
         t2 = time.time()
-        self.events.append((self.name, "weight_load", -1, version, t0, t2))
+        self.events.append(Event(self.name, "weight_load", -1, version, t0, t2))
         return {"fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": handle.nbytes, "start": t0, "end": t2}
-
-    def update_state_dict(self, state_dict, version: int) -> None:
-        self.engine.update_weights(state_dict, version)
-
-    def cancel(self, request_ids) -> int:
-        with self._lock:
-            held = [r for r in request_ids if self._held_reqs.pop(r, None) is not None]
-        return len(held) + sum(bool(self.engine.cancel(r)) for r in request_ids if r not in held)
 
     def num_pending(self) -> int:
         with self._lock:
@@ -183,13 +167,10 @@ class GenerationInstance:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def drain_events(self) -> list[tuple]:
+    def drain_events(self) -> list[Event]:
         out, self.events = self.events, []
         return out
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-
-def copy_model(model):
-    return copy.deepcopy(model).eval()

@@ -10,55 +10,34 @@ Dataflow::
                            --> dispatch policy (config: generation.dispatch) picks the instance
                            --> order policy (generation.order) sets each request's priority
                            --> instance k: engine queue (admits larger priority first: LPT)
-    controller <--poll---- ray.wait over one outstanding ``poll`` call per busy instance; a
-                           returned batch is handed out and that instance's poll is re-armed
-                           --> rebalancing check (generation.rebalance): may move queued requests
-    end of a ``generate`` batch: recall/Spearman of the predictions against the actual lengths
-                           (``take_metrics``), lengths to the dispatch policy (Algorithm 2's
-                           P50/P90) and to the ranker's background refresh (never waited on)
+    controller <--poll---- ray.wait over one outstanding ``poll`` per busy instance; a returned
+                           batch is handed out and that poll re-armed; rebalancing check
+    end of a ``generate`` batch: ranker recall/Spearman (``take_metrics``); lengths to the dispatch
+                           policy (P50/P90) and to the ranker's background refresh (never waited on)
 
-Predicted lengths: ``submit(requests, predicted_lengths)`` uses the given ones (the scheduling
-bench passes oracle lengths); otherwise the ``OnlineRanker`` (``ranker`` config section; the
-dataset is registered with ``attach_prompts`` and scored ahead of time) when dispatch, order or
-rebalancing needs lengths; otherwise all requests are predicted equal.
+Predicted lengths: the given ones (``submit(requests, predicted_lengths)``: the scheduling bench's
+oracle), else the ``OnlineRanker`` (dataset registered with ``attach_prompts``, scored ahead)
+when dispatch, order or rebalancing needs them, else all equal.
 
-Ownership and exactly-once: the service records every submitted request until its completion
-has been handed out. ``remove_instance`` kills an instance and re-submits its unfinished
-requests to the remaining ones; a completion that arrives for a request already handed out (or
-never submitted) is dropped and counted (``sgs/duplicates``), so every request is returned
-exactly once. Instances can be added while requests run; a new instance first installs the
-current weights, so it never generates with a stale version.
+Exactly once: every submitted request is recorded until its completion is handed out.
+``remove_instance`` re-submits an instance's unfinished requests to the others; a completion for
+a request already handed out (or never submitted) is dropped and counted (``sgs/duplicates``).
+A new instance first installs the current weights, so it never generates with a stale version.
 
-Rebalancing (beyond the paper, ``policies.rebalance``): instances then hold submitted requests
-in their own queue and give the engine only a batch plus a little slack (``instance.py``). At
-most every ``generation.rebalance_interval_s`` the service reads where each instance's
-unfinished requests stand (``progress``: held, queued in the engine, or running with n tokens
-generated) and turns each prediction into a remaining length (``remaining_estimate``: a request
-past its prediction gets the recent lengths' median overshoot). Progress comes back with every
-poll (``poll_with_progress``, at that period, so a long tail is noticed even when nothing
-finishes, and a check sends no call of its own), but only while a check could act; while every
-instance has a full batch of work, polls are plain (no progress, no periodic wake-ups: on a
-2-core machine those calls took CPU from the instances). A check acts only when some instance
-has free batch slots (fewer unfinished requests than ``max_requests_per_batch``: it is running
-under-full or idle, the moment a wrong estimate shows) and the predicted remaining times differ
-by more than ``generation.rebalance_threshold`` of the largest. ``plan_moves`` then picks moves,
-at most as many into an instance as it has free slots (work stealing: what moves starts at once).
-That check is ``policies.rebalance.plan_round``, the one the simulator runs too. The source
-``preempt``s them and the service re-submits each to its destination:
-- not started (held or queued): moved as it is;
-- running (``generation.rebalance_running``, engines that can preempt; each request at most
-  once): the engine stops it between two decode steps and returns its prefix (tokens and
-  log-probs); the destination continues from ``prompt + prefix`` with the remaining token
-  budget, admitted before its queue; when it finishes the service joins the two parts into one
-  ``Completion`` (prompt as submitted, prefix + continuation tokens and log-probs, the earlier
-  ``version_start`` and ``t_start``).
-A request is thus in exactly one instance's hands at any time: one the source cannot stop any
-more (it is finishing) stays and completes there. Never lost, never run twice.
+Rebalancing (beyond the paper, ``policies.rebalance``; docs/design.md): instances then hold
+submitted requests in their own queue and give the engine only a batch plus a little slack
+(``instance.py``). At most every ``generation.rebalance_interval_s``, and only while a check could
+act (otherwise polls are plain: periodic progress calls take CPU from the instances), polls carry
+``progress`` (held, queued, or running with n tokens) and ``remaining_estimate`` turns predictions
+into remaining lengths. ``policies.rebalance.plan_round`` (the simulator runs it too) acts only
+when some instance has free batch slots and the remaining times differ by more than
+``generation.rebalance_threshold``, moving at most as many requests into an instance as it has
+free slots (work stealing). The source ``preempt``s them: a not-started request moves as it is,
+a running one (``generation.rebalance_running``, at most once) continues from ``prompt + prefix``
+and its two parts are joined into one ``Completion``. Never lost, never run twice.
 
-Placement: each instance is a Ray actor with ``generation.threads_per_instance`` CPUs and the
-custom resources in ``generation.resources`` (e.g. ``{"H20": 1}`` on a heterogeneous cluster).
-With ``placement.device=cuda`` it asks for its bundle of the placement plan instead: its GPUs
-(Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor), the CPUs beside them and the GPU-type label.
+Placement: each instance is a Ray actor with ``generation.threads_per_instance`` CPUs and
+``generation.resources``, or on ``placement.device=cuda`` its bundle of the placement plan.
 """
 
 from __future__ import annotations
@@ -73,13 +52,14 @@ from typing import Iterator, Sequence
 import ray
 
 from streamrl.config import Config
+from streamrl.placement import PlacementPlan, plan_placement
 from streamrl.policies.dispatch import make_dispatch_policy
 from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
 from streamrl.policies.order import make_order_policy
 from streamrl.policies.rebalance import Unfinished, has_free_slots, plan_round
-from streamrl.ranker.online import OnlineRanker, batch_rank_metrics
+from streamrl.ranker.online import OnlineRanker, batch_rank_metrics, make_online_ranker, state_dict_of
 from streamrl.sgs.instance import GenerationInstance
-from streamrl.types import Completion, GenRequest, Partial
+from streamrl.types import Completion, Event, GenRequest, Partial, Progress
 
 log = logging.getLogger(__name__)
 
@@ -87,38 +67,14 @@ NEEDS_LENGTHS = ("skewness-aware", "skewness-search", "least-loaded")
 RESUME_PRIORITY = 1e30  # a resumed request is admitted before everything queued at its new instance
 
 
-def _state_dict(handle) -> dict:
-    """The weights behind a ``WeightHandle`` as owned tensors (for the driver's ranker)."""
-    from streamrl.weights.flat import unflatten
-    from streamrl.weights.transfer import RayObjectStoreTransport
-
-    return unflatten(RayObjectStoreTransport().fetch(handle), copy=True)
-
-
-def make_online_ranker(cfg: Config) -> OnlineRanker | None:
-    """The configured ranker wrapped for online use, fitted on ``ranker.fit_file`` if given; None for ``none``."""
-    r = cfg.ranker
-    if r.name == "none":
-        return None
-    from streamrl.ranker.base import make_ranker
-
-    ranker = make_ranker(r.name, policy_path=cfg.policy.path, temperature=cfg.generation.temperature, **r.kwargs)
-    online = OnlineRanker(ranker, default_length=max(1.0, cfg.generation.max_new_tokens / 2),
-                          refresh=r.refresh)
-    if r.fit_file:
-        from streamrl.ranker.evaluate import load_samples_jsonl
-
-        recs = load_samples_jsonl(r.fit_file)
-        online.fit([x.key for x in recs], [x.text for x in recs], [x.length for x in recs])
-    return online
-
-
 class StreamGenerationService:
     def __init__(self, cfg: Config, policy_path: str | None = None, dispatch: str | None = None,
                  dispatch_kwargs: dict | None = None, ranker: OnlineRanker | None | str = "config",
-                 engine_overrides: dict | None = None, hold_back: bool | None = None) -> None:
+                 engine_overrides: dict | None = None, hold_back: bool | None = None,
+                 plan: PlacementPlan | None = None) -> None:
         g = cfg.generation
         self.cfg = cfg
+        self.plan = plan if plan is not None else plan_placement(cfg)  # computed once; handed down by the driver
         self.policy_path = policy_path or cfg.policy.path
         self.latency: LatencyModel = load_profile(g.latency_profile) if g.latency_profile else H800_QWEN7B_VLLM
         self.dispatch_name = dispatch or g.dispatch
@@ -144,10 +100,10 @@ class StreamGenerationService:
         self._handle = None
         self.version = 0
         self._last_check = float("-inf")  # perf_counter of the last rebalancing check
-        self._progress: dict[str, dict] = {}  # instance -> its latest progress (from poll_with_progress)
-        self._prefix: dict[str, tuple[GenRequest, tuple[int, ...], tuple[float, ...], int, float]] = {}
-        # request_id -> (request as submitted, tokens and log-probs generated before preemptions,
-        # earliest version_start, first t_start): joined to the continuation when it finishes
+        self._progress: dict[str, Progress] = {}  # instance -> its latest progress (from poll_with_progress)
+        self._prefix: dict[str, Partial] = {}
+        # request_id -> everything generated before its preemptions (the request as submitted, its
+        # tokens and log-probs, earliest version_start, first t_start): joined to the continuation
         self._moved_running: set[str] = set()
         self._recent = deque(maxlen=2048)  # recent output lengths: remaining_estimate's overshoot
         self._metrics: dict[str, float] = {}
@@ -193,9 +149,7 @@ class StreamGenerationService:
         g = self.cfg.generation
         if self.cfg.placement.device != "cuda":
             return {"num_cpus": g.threads_per_instance, "resources": dict(g.resources)}
-        from streamrl.placement import plan_placement
-
-        planned = plan_placement(self.cfg).generation
+        planned = self.plan.generation
         bundle = planned[min(index, len(planned) - 1)].resources
         labels = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
         return {"num_cpus": bundle["CPU"], "num_gpus": bundle["GPU"], "resources": {**labels, **g.resources}}
@@ -241,7 +195,7 @@ class StreamGenerationService:
         self._handle, self.version = handle, version
         refs = [a.update.remote(handle, version) for a in self.instances.values()]
         if self.ranker is not None:  # rankers that score with the policy fetch it in their thread
-            self.ranker.set_policy(lambda: _state_dict(handle), version)
+            self.ranker.set_policy(lambda: state_dict_of(handle), version)
         return ray.get(refs) if wait else refs
 
     # ---------------------------------------------------------------------------------- ranker
@@ -343,9 +297,10 @@ class StreamGenerationService:
 
     def _join(self, c: Completion) -> Completion:
         """One Completion from a preempted request's prefix and its continuation's output."""
-        req, tokens, logprobs, v_start, t_start = self._prefix.pop(c.request_id)
-        return replace(c, prompt_ids=tuple(req.prompt_ids), output_ids=tokens + c.output_ids,
-                       logprobs=logprobs + c.logprobs, version_start=min(v_start, c.version_start), t_start=t_start)
+        pre = self._prefix.pop(c.request_id)
+        return replace(c, prompt_ids=tuple(pre.request.prompt_ids), output_ids=pre.output_ids + c.output_ids,
+                       logprobs=pre.logprobs + c.logprobs, version_start=min(pre.version_start, c.version_start),
+                       t_start=pre.t_start)
 
     def generate(self, requests: list[GenRequest], predicted_lengths: Sequence[float] | None = None) -> Iterator[Completion]:
         """Submit ``requests`` and yield each completion as it finishes (completion order).
@@ -382,11 +337,10 @@ class StreamGenerationService:
             if len(groups) < len(requests):
                 self._metrics.update(batch_rank_metrics([group_pred[k] for k in groups],
                                                         [sum(v) / len(v) for v in groups.values()], prefix="rank/group/"))
-        if hasattr(self.dispatch, "observe"):
-            self.dispatch.observe(actual)
+        self.dispatch.observe(actual)
         if self.ranker is not None:
             traces = None
-            if getattr(self.ranker.ranker, "uses_traces", False):
+            if self.ranker.ranker.uses_traces:
                 from streamrl.ranker.reweighted import Trace
 
                 by_id = {c.request_id: c for c in done}
@@ -430,21 +384,21 @@ class StreamGenerationService:
             counts[name] = counts.get(name, 0) + 1
         return counts
 
-    def _unfinished(self, states: dict[str, dict]) -> dict[str, list[Unfinished]]:
+    def _unfinished(self, states: dict[str, Progress]) -> dict[str, list[Unfinished]]:
         """Per instance, its unfinished requests as ``plan_round`` reads them: progress from the
         instances' states; movable if not started (held here, or queued in an engine that preempts),
         or running on an engine that preempts, with ``rebalance_running``, and not moved before."""
         out: dict[str, list[Unfinished]] = {name: [] for name in self.instances}
-        sets = {n: (set(st["held"]), set(st["waiting"]), st["running"], st["preempt"]) for n, st in states.items()}
+        sets = {n: (set(st.held), set(st.waiting), st.running, st.preempt) for n, st in states.items()}
         for rid, (name, req) in self.assigned.items():
             held, waiting, running, can_preempt = sets[name]
             prefix = self._prefix.get(rid)
-            generated = (len(prefix[1]) if prefix else 0) + running.get(rid, 0)
+            generated = (len(prefix.output_ids) if prefix else 0) + running.get(rid, 0)
             started = rid in running
             may_move = (rid in held or (rid in waiting and can_preempt)
                         or (started and can_preempt and self.rebalance_running and rid not in self._moved_running))
             out[name].append(Unfinished(rid, self.predicted.get(rid, 1.0), generated,
-                                        (prefix[0] if prefix else req).max_new_tokens, started, may_move))
+                                        (prefix.request if prefix else req).max_new_tokens, started, may_move))
         return out
 
     def _apply_moves(self, moves) -> int:
@@ -475,12 +429,11 @@ class StreamGenerationService:
             return part.request
         rid = part.request.request_id
         prev = self._prefix.get(rid)
-        req = prev[0] if prev else part.request
-        tokens = (prev[1] if prev else ()) + tuple(part.output_ids)
-        logprobs = (prev[2] if prev else ()) + tuple(part.logprobs)
-        v_start = min(prev[3], part.version_start) if prev else part.version_start
-        t_start = prev[4] if prev else part.t_start
-        self._prefix[rid] = (req, tokens, logprobs, v_start, t_start)
+        if prev is not None:  # preempted before: the earlier prefix comes first
+            part = Partial(prev.request, prev.output_ids + tuple(part.output_ids), prev.logprobs + tuple(part.logprobs),
+                           min(prev.version_start, part.version_start), prev.t_start)
+        self._prefix[rid] = part
+        req, tokens = part.request, part.output_ids
         self._moved_running.add(rid)
         self.counters["sgs/rebalanced_running"] += 1
         return replace(req, prompt_ids=tuple(req.prompt_ids) + tokens, max_new_tokens=req.max_new_tokens - len(tokens),
@@ -490,7 +443,7 @@ class StreamGenerationService:
     def stats(self) -> dict[str, dict]:
         return dict(zip(self.instances, ray.get([a.stats.remote() for a in self.instances.values()])))
 
-    def drain_events(self) -> list[tuple]:
+    def drain_events(self) -> list[Event]:
         return [e for evs in ray.get([a.drain_events.remote() for a in self.instances.values()]) for e in evs]
 
     def shutdown(self) -> None:

@@ -1,8 +1,8 @@
 """Cost models: decode steps of a generation instance, and training work on the trainer.
 
 Everything is a roofline (bytes over bandwidth, FLOPs over peak) times an efficiency constant.
-Each constant below says where it comes from; only PAPER.md's PTL table and scaling facts (and
-measured CPU profiles) were used to calibrate. ``tests/test_sim.py`` checks the calibration.
+Only PAPER.md's PTL table and scaling facts (and measured CPU profiles) were used to calibrate;
+``tests/test_sim.py`` checks the calibration.
 
 **Decode step** of an instance (TP degree ``tp``) running ``B`` sequences whose contexts sum to
 ``C`` tokens::
@@ -11,44 +11,33 @@ measured CPU profiles) were used to calibrate. ``tests/test_sim.py`` checks the 
     bytes = weight_bytes + kv_bytes_per_token * C
     flops = 2 * matmul_params * B + attention_flops(C)
 
-- ``ETA_MEM = 0.8``: achieved fraction of HBM bandwidth by decode kernels. *Assumption*, not fitted:
-  the PTL table cannot separate it from ``T0`` and the context length; 0.8 is what streaming
-  (GEMV-like) kernels typically reach on Hopper.
-- ``T0 = 2.83 ms`` and ``PTL_CONTEXT = 2465`` tokens: **fitted** (weighted least squares on
-  relative error) to PAPER.md's PTL table (7B, one H800, BS 1..512), whose context length the paper
-  does not state. The fit reproduces every point within 4%. ``T0`` is per-step engine overhead
-  (scheduling, sampling, kernel launches) and is scaled by nothing: we use it for every GPU.
-- ``ETA_DECODE = 0.6``, ``ETA_PREFILL = 0.6``: fraction of peak BF16 FLOPs reached by decode/prefill
-  GEMMs. *Assumption* (the H800 table is memory-bound throughout, so it cannot calibrate this); it
-  matters on H20 (148 TFLOPS), where large batches become compute-bound.
-- ``ALLREDUCE_LATENCY = 10 us``: two all-reduces per layer under tensor parallelism, each this
-  latency plus a ring transfer of ``B * hidden * 2`` bytes over NVLink. *Assumption* (typical NCCL
-  small-message latency inside one node).
-- KV capacity: ``KV_MEM_FRACTION = 0.9`` of HBM (vLLM's default ``gpu_memory_utilization``) minus
-  the weight shard; verl's rollout default is 0.5 (verl docs, ``ppo_trainer.yaml``).
-- verl's rollout defaults to ``enforce_eager: True`` (no CUDA graphs; verl docs): we add
-  ``EAGER_S_PER_LAYER = 40 us`` of kernel-launch time per layer per step. *Assumption*.
+- ``T0 = 2.83 ms`` (per-step engine overhead, the same on every GPU) and ``PTL_CONTEXT = 2465``
+  tokens: **fitted** (weighted least squares on relative error) to PAPER.md's PTL table (7B, one
+  H800, BS 1..512; the paper does not state its context length); every point within 4%.
+- *Assumptions*: ``ETA_MEM = 0.8`` (HBM bandwidth reached by GEMV-like decode kernels on Hopper;
+  the table cannot separate it from ``T0``); ``ETA_DECODE = ETA_PREFILL = 0.6`` of peak BF16 FLOPs
+  (the H800 table is memory-bound throughout; it matters on H20, where large batches become
+  compute-bound); ``ALLREDUCE_LATENCY = 10 us`` per all-reduce, two per layer under TP, plus a ring
+  transfer of ``B * hidden * 2`` bytes over NVLink; ``EAGER_S_PER_LAYER = 40 us`` of launch time
+  per layer per step for verl's rollout (``enforce_eager: True``, no CUDA graphs).
+- KV capacity: ``KV_MEM_FRACTION = 0.9`` of HBM (vLLM's default) minus the weight shard; verl's
+  rollout default is 0.5.
 
-**Training** one PPO iteration on ``T`` tokens (prompt + response) with actor, critic and reference of
-the same size: forward passes for old log-probs (actor), reference log-probs and values (critic),
-then forward+backward of actor and critic: ``9`` forward-equivalents, i.e. ``18 * P * T`` FLOPs plus
-attention (``9 * attention_flops`` of each sequence, causal), one PPO epoch. Time =
-``FLOPs / (y * PEAK * MFU(y))`` with
+**Training** one PPO iteration on ``T`` tokens with actor, critic and reference of the same size:
+old log-probs, reference log-probs and values, then forward+backward of actor and critic, i.e.
+``9`` forward-equivalents: ``18 * P * T`` FLOPs plus ``9 * attention_flops`` of each sequence.
+Time = ``FLOPs / (y * PEAK * MFU(y))`` with
 
     MFU(y) = MFU_BASE / (1 + KAPPA * states_bytes / (y * HBM))
 
-- ``MFU_BASE = 0.45``: *assumption* from public Megatron-LM reports (40-50% MFU for dense models on
-  Hopper). Absolute training speed rests on it.
+- ``MFU_BASE = 0.45``: *assumption* (public Megatron-LM reports, 40-50% on Hopper).
 - ``KAPPA = 0.55``: **fitted** to PAPER.md §1's scaling facts (7B training time 8->16->24->32 GPUs
-  falls to 0.54/0.30/0.19; our model gives 0.45/0.29/0.22). It stands for the memory pressure of
-  fewer devices: with optimizer states taking more of each GPU, micro-batches shrink and activation
-  recomputation grows, which makes training scale super-linearly as the paper measured.
-- ``states_bytes = (16 + 16 + 2) * P``: actor and critic with mixed-precision Adam (bf16 weight and
-  grad, fp32 master, m, v), reference bf16 weights only; sharded ZeRO-3/FSDP over ``y`` devices,
-  which must hold them in ``TRAIN_MEM_FRACTION = 0.7`` of HBM (the rest for activations).
-- ``PROMPT_MEAN = 670`` tokens (in workload.py): **fitted** to §1's length scaling of training
-  time (1K->2K output multiplies training time by 1.6: ``(p + 2K) / (p + 1K) = 1.6`` gives
-  ``p ~ 0.67K``), consistent with "prompts mostly < 1K".
+  falls to 0.54/0.30/0.19; the model gives 0.45/0.29/0.22): the memory pressure of few devices
+  (smaller micro-batches, more recomputation) makes training scale super-linearly.
+- ``states_bytes = (16 + 16 + 2) * P``: actor and critic with mixed-precision Adam, reference bf16
+  weights only, sharded over ``y`` devices within ``TRAIN_MEM_FRACTION = 0.7`` of HBM.
+- ``PROMPT_MEAN = 670`` tokens (workload.py): **fitted** to §1's length scaling (1K->2K output
+  multiplies training time by 1.6: ``(p + 2K) / (p + 1K) = 1.6``), consistent with "prompts < 1K".
 """
 
 from __future__ import annotations

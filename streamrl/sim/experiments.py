@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from streamrl.planner.estimators import SimEstimator
+from streamrl.sim.estimators import SimEstimator
 from streamrl.planner.plan import plan_cross_dc, plan_single_dc
 from streamrl.policies.elastic import ElasticRule
 from streamrl.sim.hardware import CROSS_DC_LINK, GPUS_PER_NODE, get_gpu

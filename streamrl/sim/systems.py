@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from streamrl.modes import get_mode
 from streamrl.policies.dispatch import make_dispatch_policy
 from streamrl.policies.order import make_order_policy
 from streamrl.sim import cost as C
@@ -46,26 +47,40 @@ parallelism reaches somewhat lower MFU at this scale); only the verl row uses it
 @dataclass(frozen=True)
 class SystemSpec:
     name: str
-    colocated: bool
-    pipeline: str  # "batch" | "stream" | "async"
+    mode: str
+    """The pipeline mode it runs (``streamrl.modes``): colocated or not, what overlaps, staleness."""
     dispatch: str = "skewness-aware"
     order: str = "lpt"
-    staleness: int = 0
+    max_staleness: int | None = None
+    """Overrides the mode's staleness bound (None: the mode's)."""
     rebalance: bool = False
     verl: bool = False
     """verl's engine and trainer settings (eager, 0.5 KV memory, FSDP MFU, states resident)."""
     description: str = ""
 
+    @property
+    def colocated(self) -> bool:
+        return get_mode(self.mode).colocated
+
+    @property
+    def pipeline(self) -> str:
+        """``batch`` | ``stream`` | ``async``."""
+        return get_mode(self.mode).pipeline
+
+    @property
+    def staleness(self) -> int:
+        return get_mode(self.mode).max_staleness if self.max_staleness is None else self.max_staleness
+
 
 SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
-    SystemSpec("verl", True, "batch", "round-robin", "fifo", verl=True, description="verl-like colocated"),
-    SystemSpec("colocated", True, "batch", "random", "fifo", description="our engine+trainer, time-shared"),
-    SystemSpec("colocated-skew", True, "batch", "skewness-aware", "lpt", description="colocated + skewness-aware scheduling"),
-    SystemSpec("disagg-batch", False, "batch", description="disaggregated, no overlap"),
-    SystemSpec("stream-sync", False, "stream", description="dynamic-batch pipelining"),
-    SystemSpec("stream-async", False, "async", staleness=1, description="one-step async"),
-    SystemSpec("stream-async-s2", False, "async", staleness=2, description="beyond paper: staleness 2"),
-    SystemSpec("stream-async-rebal", False, "async", staleness=1, rebalance=True, description="beyond paper: runtime rebalancing, queued and running requests (policies.rebalance)"),
+    SystemSpec("verl", "colocated", "round-robin", "fifo", verl=True, description="verl-like colocated"),
+    SystemSpec("colocated", "colocated", "random", "fifo", description="our engine+trainer, time-shared"),
+    SystemSpec("colocated-skew", "colocated", "skewness-aware", "lpt", description="colocated + skewness-aware scheduling"),
+    SystemSpec("disagg-batch", "disagg-batch", description="disaggregated, no overlap"),
+    SystemSpec("stream-sync", "stream-sync", description="dynamic-batch pipelining"),
+    SystemSpec("stream-async", "stream-async", description="one-step async"),
+    SystemSpec("stream-async-s2", "stream-async", max_staleness=2, description="beyond paper: staleness 2"),
+    SystemSpec("stream-async-rebal", "stream-async", rebalance=True, description="beyond paper: runtime rebalancing, queued and running requests (policies.rebalance)"),
 )}
 
 
@@ -230,7 +245,7 @@ def push_s(dep: Deployment) -> float:
 
 def run_system(
     spec: SystemSpec, dep: Deployment, workload: Workload, iterations: int = 4, seed: int = 0,
-    length_scales: list[float] | None = None, warmup: int = 1,
+    length_scales: list[float] | None = None, warmup: int = 1, min_tokens_per_gpu: float = MIN_TOKENS_PER_GPU,
 ) -> RunResult:
     """Simulate ``iterations`` RL steps; the first ``warmup`` are excluded from throughput."""
     rng = np.random.default_rng(seed)
@@ -258,9 +273,9 @@ def run_system(
             train_end = max(gen_end, train_free) + t_train
         elif isinstance(tcost, C.ProfiledTrain):  # the live trainer actor: prepare calls, outbox rule
             train_end, t_train = call_stream_train(finish, batch.seq_lens, seq_s, tcost.prepare_s, train_free,
-                                                   MIN_TOKENS_PER_GPU * dep.train_gpus)
+                                                   min_tokens_per_gpu * dep.train_gpus)
         else:
-            min_s = float(np.median(seq_s)) * MIN_TOKENS_PER_GPU * dep.train_gpus / float(np.median(batch.seq_lens))
+            min_s = float(np.median(seq_s)) * min_tokens_per_gpu * dep.train_gpus / float(np.median(batch.seq_lens))
             train_end = stream_train(finish, seq_s, max(train_free, start), min_s) + tcost.optimizer_step_s()
         ready.append(train_end + t_push)
         gen_free, train_free = gen_end, train_end

@@ -20,10 +20,10 @@ prefix of the chain, strictly below the exact solution's 1.0.
 Why this shape: every decision the policy makes is *local*: the next value is the previous one
 plus or minus a one-digit step, and the chain stops when the hundreds digit changes. A tiny
 character-level model learns such rules in minutes of SFT, so RL starts from a policy that is
-often right on short chains and often wrong on long ones, which is where GRPO has signal. (An
-earlier version asked to count down *to a number given in the prompt*; a 1 M-parameter model
-could not learn to compare against it in a CPU budget, overshot the stop, and RL had nothing to
-improve.) The number of steps depends on the last two digits of ``a`` and on ``s``, not on the
+often right on short chains and often wrong on long ones, which is where GRPO has signal. (A
+task that counts down *to a number given in the prompt* is not learnable this way: a 1 M-parameter
+model could not learn to compare against it in a CPU budget, overshot the stop, and RL had nothing
+to improve.) The number of steps depends on the last two digits of ``a`` and on ``s``, not on the
 prompt's length (every prompt is 6 to 8 characters), so predicting the response length is a real
 ranking problem: ``streamrl task stats`` reports Spearman(prompt tokens, response tokens) near 0.
 

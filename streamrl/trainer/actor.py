@@ -8,7 +8,7 @@
            optimizer step on them (a dynamic batch), in arrival order
         4. when ``expected`` groups of iteration ``it`` have arrived: the last step on the
            remainder, extra epochs if configured, version += 1, flatten and publish the weights
-           to the object store; return {metrics, handle, version, trained ids}
+           to the object store; return a ``TrainResult`` (metrics, weight handle, version)
 
 Batch-sync (disagg-batch) sends all groups in one call, stream-sync one call per finished
 group: the same cut rule on the same order gives the same steps, hence the same parameters.
@@ -32,7 +32,7 @@ import time
 
 import ray
 
-from streamrl.types import Sample
+from streamrl.types import Event, Sample, TrainResult
 
 
 class StalenessError(RuntimeError):
@@ -62,7 +62,7 @@ class IterationTrainer:
         self.max_staleness = max_staleness
         self.iteration = -1
         self._reset(-1, 0)
-        self.events: list[tuple] = []
+        self.events: list[Event] = []
         self.trained_ids: list[str] = []
 
     def _reset(self, iteration: int, expected: int) -> None:
@@ -84,13 +84,13 @@ class IterationTrainer:
             handle = self.trainer.publish()  # rank 0 gathers, flattens and puts: no state dict passes here
         else:
             handle = RayObjectStoreTransport().publish(flatten(self.trainer.model.state_dict(), self.trainer.version))
-        self.events.append(("trainer", "weight_push", self.iteration, self.trainer.version, t0, time.time()))
+        self.events.append(Event("trainer", "weight_push", self.iteration, self.trainer.version, t0, time.time()))
         return handle
 
     def version(self) -> int:
         return self.trainer.version
 
-    def add_groups(self, iteration: int, groups: list[list[Sample]], expected: int) -> dict | None:
+    def add_groups(self, iteration: int, groups: list[list[Sample]], expected: int) -> TrainResult | None:
         from streamrl.trainer.trainer import dynamic_batches, group_tokens
 
         if iteration != self.iteration:
@@ -112,7 +112,7 @@ class IterationTrainer:
             self.trainer.set_group_advantages(prepared)
         t1 = time.time()
         self.prepare_s += t1 - t0
-        self.events.append(("trainer", "prepare", iteration, self.trainer.version, t0, t1))
+        self.events.append(Event("trainer", "prepare", iteration, self.trainer.version, t0, t1))
         self.buffer.extend(prepared)
         self.received += len(groups)
         step_tokens = self.cfg.trainer.step_tokens
@@ -134,8 +134,7 @@ class IterationTrainer:
                              "train/tokens_per_s": self.tokens / max(self.train_s, 1e-9),
                              "train/steps_in_iter": len(self.batches) * self.cfg.trainer.epochs,
                              "policy/version": self.trainer.version})
-        return {"metrics": dict(self.metrics), "handle": handle, "version": self.trainer.version,
-                "iteration": iteration}
+        return TrainResult(iteration=iteration, version=self.trainer.version, handle=handle, metrics=dict(self.metrics))
 
     def _step(self, batch: list[list], record: bool = True) -> None:
         t0 = time.time()
@@ -147,9 +146,9 @@ class IterationTrainer:
         if record:
             self.batches.append(batch)
             self.trained_ids.extend(p.meta["request_id"] for p in items)
-        self.events.append(("trainer", "train", self.iteration, self.trainer.version, t0, t1))
+        self.events.append(Event("trainer", "train", self.iteration, self.trainer.version, t0, t1))
 
-    def drain_events(self) -> list[tuple]:
+    def drain_events(self) -> list[Event]:
         out, self.events = self.events, []
         return out
 

@@ -13,22 +13,15 @@ Dataflow of one optimizer step (``FSDPTrainer.train_step(items)``)::
               the single-process token-mean gradient over all items)
     clip by the global grad norm (DTensor) -> AdamW on the local shards
 
-``policy_state()`` gathers the full state dict (a collective: call it on every rank); rank 0
-gets the tensors on CPU, in the parameters' dtype, for the weight push to the generation
-instances.
+``policy_state()`` gathers the full state dict (a collective: call it on every rank); rank 0 gets
+the tensors on CPU for the weight push. With ``param_dtype="bfloat16"`` master weights and
+optimizer state stay fp32, forward/backward run in bf16 and gradients are reduced in fp32.
 
-Precision: with ``param_dtype="bfloat16"`` the sharded master weights and optimizer state stay
-fp32, forward/backward run in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``),
-the usual recipe for RL post-training on GPUs.
-
-Across Ray (``FSDPTrainerGroup``): one actor per rank, all inside one placement group whose
-bundles come from ``streamrl.placement`` (a GPU and its type label per rank; on CPU
-``trainer.fsdp_ranks`` bundles of ``trainer.fsdp_rank_cpus``), rendezvous at rank 0's node; the
-caller drives every rank in lockstep with the same item list (one ``ray.put``, read by all).
-
-In the pipelines (``trainer.backend=fsdp``, required on ``placement.device=cuda``): the trainer
-actor (``trainer.actor.IterationTrainer``) keeps its logic and holds an ``FSDPGroupTrainer``,
-the ``Trainer`` interface without a model, in place of the single-process ``Trainer``::
+Across Ray (``FSDPTrainerGroup``): one actor per rank in one placement group whose bundles come
+from ``streamrl.placement``, rendezvous at rank 0's node; the caller drives every rank in
+lockstep with the same item list (one ``ray.put``). In the pipelines (``trainer.backend=fsdp``)
+the trainer actor keeps its logic and holds an ``FSDPGroupTrainer``, the ``Trainer`` interface
+without a model::
 
     IterationTrainer: staleness check, prepare, GRPO advantages, dynamic-batch cut, epochs
         --train_step(items)--> FSDPTrainerGroup --> every rank (one optimizer step)
@@ -38,17 +31,11 @@ the ``Trainer`` interface without a model, in place of the single-process ``Trai
                               single-process trainer's files; every rank reads them and keeps
                               its shards (checkpoints cross backends and world sizes)
 
-Weights reach the generation instances through the Ray object store, as on CPU: host memory
-on rank 0's node, then each instance's node. NCCL weight transfer from the trainer GPUs to the
-vLLM GPUs is not done.
-
-Tested on CPU only (gloo ranks in a placement group, against the single-process trainer, and
-inside a stream-async run); the NCCL backend, ``param_dtype="bfloat16"`` in the pipelines,
-multi-node rendezvous and GPU placement of ranks and instances have not run here.
-
-Limits: GRPO without a reference model (``trainer.kl_coef == 0``) and without a critic; the
-reference would be sharded the same way (not done yet). The metrics of a step other than the
-grad norm and counts are rank 0's share of the batch.
+Weights reach the instances through the Ray object store; NCCL transfer to the vLLM GPUs is not
+done. Tested on CPU only (gloo ranks, against the single-process trainer and inside a
+stream-async run); NCCL, bf16 in the pipelines, multi-node rendezvous and GPU placement have not
+run. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or critic. The metrics of
+a step other than the grad norm and counts are rank 0's share of the batch.
 """
 
 from __future__ import annotations
@@ -63,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.config import Config
+from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer import losses
 from streamrl.trainer.trainer import Prepared, Trainer, _pad, _per_token, micro_batches
 
@@ -170,7 +158,7 @@ class FSDPTrainer(Trainer):
         ids, attn, mask = (t.to(self._device) for t in _pad(mb, self.pad_id))
         width = ids.shape[1]
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+        logp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
         old = _per_token(mb, "old_logprobs", width).to(self._device)
         adv = _per_token(mb, "advantages", width).to(self._device)
         loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)

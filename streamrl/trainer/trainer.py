@@ -36,6 +36,7 @@ from torch import nn
 
 from streamrl.config import Config
 from streamrl.models.tiny import load_policy
+from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer import losses
 from streamrl.types import Sample
 
@@ -178,7 +179,7 @@ class Trainer:
         ids, attn, mask = _pad(items, self.pad_id)
         if self.ref is not None:
             logits = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            ref_lp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+            ref_lp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
             for i, p in enumerate(items):
                 p.ref_logprobs = ref_lp[i, p.resp_start - 1: p.num_tokens - 1].tolist()
         if self.critic is not None:
@@ -242,7 +243,7 @@ class Trainer:
         ids, attn, mask = _pad(mb, self.pad_id)
         width = ids.shape[1]
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp = losses.token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+        logp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
         old = _per_token(mb, "old_logprobs", width)
         adv = _per_token(mb, "advantages", width)
         loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)

@@ -17,16 +17,8 @@ One small interface, two implementations::
   publish order (checked by sequence number), and all ranks must construct the transport
   concurrently (the constructor is a rendezvous).
 
-Measured on the 2-core dev box (busy, medians of 9; trainer = driver, one receiver actor):
-
-    state dict         transport  flatten  publish   fetch   load   end to end
-    1M params (4 MB)   ray          1.4 ms   16 ms    0.4 ms  1.3 ms   25 ms
-    1M params (4 MB)   gloo         0.7 ms  0.3 ms    4.4 ms  0.8 ms    9 ms
-    50 MB              ray           19 ms  190 ms    0.6 ms   16 ms  237 ms  (211 MB/s)
-    50 MB              gloo          19 ms  0.6 ms     35 ms   11 ms   79 ms  (631 MB/s)
-
-``ray.put`` of a fresh 50 MB buffer varies 25-280 ms here (first touch of object-store pages);
-its cost is paid once per version however many instances fetch, and fetches are zero-copy.
+``ray.put`` is paid once per version however many instances fetch, and same-node fetches are
+zero-copy; the gloo broadcast avoids the object-store copy (measured: docs/results.md).
 
 ``send``/``receive`` wrap flatten/publish and fetch/load with timing and return one
 ``TransferRecord`` per leg, so that every transfer's bytes, seconds and bandwidth are data. The

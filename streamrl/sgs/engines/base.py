@@ -35,8 +35,13 @@ importing this module pulls in no model library.
 
 from __future__ import annotations
 
+import heapq
 import importlib
+import itertools
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from streamrl.types import Completion, GenRequest, Partial
@@ -55,12 +60,223 @@ class EngineError(RuntimeError):
     """A request failed inside the engine, or the engine's generation loop died."""
 
 
-class QueueBookkeeping:
-    """``version``, ``num_pending`` and ``stats`` of an engine that keeps its requests in
-    ``_waiting_ids`` (admitted by us, not yet in the engine), ``_inflight`` (in the engine) and
-    ``_done`` (finished, not yet collected), its counters in ``_stats``, all under ``_lock``;
-    ``_busy_since`` is when the engine last went busy (None while idle)."""
+def check_arg(ok: bool, name: str, value: Any, expected: str) -> None:
+    """Raise ``ValueError`` naming the constructor argument and its bad value unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name}={value!r}: expected {expected}")
 
+
+def check_engine_args(temperature: float, top_p: float, max_requests_per_batch: int, max_inflight: int | None,
+                      **positive_ints: int) -> int:
+    """The constructor checks both backends share; returns ``max_inflight`` (default: the batch)."""
+    check_arg(temperature >= 0, "temperature", temperature, ">= 0 (0 = greedy)")
+    check_arg(0 < top_p <= 1, "top_p", top_p, "in (0, 1]")
+    for name, value in {"max_requests_per_batch": max_requests_per_batch, **positive_ints}.items():
+        check_arg(isinstance(value, int) and value >= 1, name, value, "an int >= 1")
+    max_inflight = max_requests_per_batch if max_inflight is None else max_inflight
+    check_arg(isinstance(max_inflight, int) and max_inflight >= 1, "max_inflight", max_inflight, "an int >= 1")
+    return max_inflight
+
+
+def eos_ids(eos_token_id: int | list[int] | None, vocab_size: int) -> list[int]:
+    """``eos_token_id`` as a list, each id checked against the vocabulary."""
+    ids = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    for e in ids:
+        check_arg(0 <= e < vocab_size, "eos_token_id", eos_token_id, f"within the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_update_shapes(state_dict: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """``update_weights``: every incoming name must be the model's, with the model's shape."""
+    unknown = sorted(set(state_dict) - set(shapes))
+    if unknown:
+        raise KeyError(f"update_weights: {len(unknown)} unknown tensor names, e.g. {unknown[:5]}")
+    bad = [(k, tuple(v.shape), tuple(shapes[k])) for k, v in state_dict.items() if tuple(v.shape) != tuple(shapes[k])]
+    if bad:
+        raise ValueError(f"update_weights: shape mismatch (name, got, expected): {bad[:5]}")
+
+
+class QueueBookkeeping:
+    """The request bookkeeping both backends share: our priority heap in front of the backend,
+    the finished queue, cancellation, failure and the counters.
+
+    State, all under ``_lock`` (``_done_cv`` is a condition on it):
+
+    * ``_waiting``: heap of ``(-priority, seq, t_added, req)``; ``_waiting_ids`` maps a request
+      to the ``seq`` of its live entry (a cancelled or preempted one leaves a stale entry behind).
+    * ``_inflight``: backend id -> the backend's entry (its first item is the ``GenRequest``);
+      ``_engine_id_of``: ``request_id`` -> backend id (``"<request_id>#<seq>"``, unique even when
+      a cancelled ``request_id`` is reused).
+    * ``_done``: finished ``Completion`` records not yet collected; ``_error``: the failure every
+      caller hears about; ``_closed``; ``_stats`` (``gen/...``); ``_busy_since``: when the engine
+      last went busy (None while idle).
+
+    A backend sets ``_vocab_size``, ``_max_seq_tokens``, ``_max_inflight`` and ``instance``,
+    calls ``_init_queues`` and implements ``_start_locked`` (hand one admitted request to the
+    backend) and ``_abort_locked`` (stop one it holds)."""
+
+    _seq_limit = "the KV cache"
+    """What bounds prompt + max_new_tokens, for ``add_request``'s message."""
+
+    def _init_queues(self, initial_version: int, extra_stats: tuple[str, ...] = ()) -> None:
+        self._lock = threading.Lock()
+        self._done_cv = threading.Condition(self._lock)
+        self._seq = itertools.count()
+        self._waiting: list[tuple[float, int, float, GenRequest]] = []
+        self._waiting_ids: dict[str, int] = {}
+        self._inflight: dict[str, Any] = {}
+        self._engine_id_of: dict[str, str] = {}
+        self._done: deque[Completion] = deque()
+        self._error: EngineError | None = None
+        self._closed = False
+        self._version = initial_version
+        self._stats = dict.fromkeys(
+            ["gen/tokens", "gen/requests_finished", "gen/requests_cancelled", "gen/busy_s", "gen/queue_wait_s",
+             "gen/weight_updates", "gen/weight_update_s", "gen/pause_wait_s", *extra_stats], 0.0)
+        self._busy_since: float | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def _start_locked(self, engine_id: str, req: GenRequest) -> None:
+        """Put ``req`` in ``_inflight[engine_id]`` and hand it to the backend (caller holds _lock)."""
+        raise NotImplementedError
+
+    def _abort_locked(self, engine_id: str) -> None:
+        """Stop a request already removed from ``_inflight``; a late result for it must be dropped."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: GenRequest) -> None:
+        prompt = req.prompt_ids
+        if not prompt:
+            raise ValueError(f"request {req.request_id!r}: empty prompt_ids")
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self._vocab_size)]
+        if bad:
+            raise ValueError(f"request {req.request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})")
+        if not (isinstance(req.max_new_tokens, int) and req.max_new_tokens >= 1):
+            raise ValueError(f"request {req.request_id!r}: max_new_tokens={req.max_new_tokens!r} must be an int >= 1")
+        if len(prompt) + req.max_new_tokens > self._max_seq_tokens:
+            raise ValueError(f"request {req.request_id!r}: prompt ({len(prompt)}) + max_new_tokens ({req.max_new_tokens})"
+                             f" exceeds {self._seq_limit}: {self._max_seq_tokens} tokens")
+        with self._lock:
+            self._raise_if_unusable()
+            if req.request_id in self._waiting_ids or req.request_id in self._engine_id_of:
+                raise ValueError(f"request_id {req.request_id!r} is already pending in this engine")
+            seq = next(self._seq)
+            heapq.heappush(self._waiting, (-float(req.priority), seq, time.perf_counter(), req))
+            self._waiting_ids[req.request_id] = seq
+            self._admit_locked()
+
+    def _admit_locked(self) -> None:
+        """Hand the backend the highest-priority waiting requests while it has free slots."""
+        while self._waiting and len(self._inflight) < self._max_inflight:
+            _, seq, t_added, req = heapq.heappop(self._waiting)
+            if self._waiting_ids.get(req.request_id) != seq:
+                continue  # cancelled or preempted while waiting (stale heap entry)
+            del self._waiting_ids[req.request_id]
+            now = time.perf_counter()
+            self._stats["gen/queue_wait_s"] += now - t_added
+            if not self._inflight:
+                self._busy_since = now
+            engine_id = f"{req.request_id}#{seq}"
+            self._engine_id_of[req.request_id] = engine_id
+            self._start_locked(engine_id, req)
+
+    def _remove_inflight_locked(self, engine_id: str) -> Any:
+        """Forget an in-flight request (finished, cancelled or preempted); returns its entry."""
+        entry = self._inflight.pop(engine_id)
+        del self._engine_id_of[entry[0].request_id]
+        if not self._inflight and self._busy_since is not None:
+            self._stats["gen/busy_s"] += time.perf_counter() - self._busy_since
+            self._busy_since = None
+        return entry
+
+    def _stop_inflight_locked(self, engine_id: str, counter: str) -> Any:
+        """Remove, abort in the backend, count, refill the freed slot; returns the entry."""
+        entry = self._remove_inflight_locked(engine_id)
+        self._abort_locked(engine_id)
+        self._stats[counter] = self._stats.get(counter, 0.0) + 1
+        self._admit_locked()
+        return entry
+
+    def _pop_waiting_locked(self, request_id: str) -> GenRequest | None:
+        """Take a not-yet-admitted request out of the queue (its heap entry goes stale)."""
+        seq = self._waiting_ids.pop(request_id, None)
+        return None if seq is None else next(r for _, s, _, r in self._waiting if s == seq)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            if request_id in self._waiting_ids:
+                del self._waiting_ids[request_id]
+                self._stats["gen/requests_cancelled"] += 1
+                return True
+            engine_id = self._engine_id_of.get(request_id)
+            if engine_id is None:
+                return False
+            self._stop_inflight_locked(engine_id, "gen/requests_cancelled")
+            return True
+
+    def waiting_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._waiting_ids)
+
+    # ------------------------------------------------------------------ results
+    def get_completions(self, timeout: float | None = None, max_items: int | None = None) -> list[Completion]:
+        if max_items is not None and max_items < 1:
+            raise ValueError(f"max_items={max_items!r} must be >= 1 or None")
+        with self._done_cv:
+            self._done_cv.wait_for(
+                lambda: self._done or self._error is not None or self._closed
+                or not (self._waiting_ids or self._inflight), timeout=timeout)
+            if self._error is not None and not self._done:
+                raise self._error
+            n = len(self._done) if max_items is None else min(max_items, len(self._done))
+            return [self._done.popleft() for _ in range(n)]
+
+    def _completion(self, req: GenRequest, tokens: tuple[int, ...], logprobs: tuple[float, ...], finish: str,
+                    v_start: int, v_end: int, t_start: float, t_end: float) -> Completion:
+        """The ``Completion`` of a finished request, counted; raises ``EngineError`` for a result
+        that breaks the contract (no tokens, one log-prob per token, a length stop at the limit)."""
+        if not tokens or len(tokens) != len(logprobs):
+            raise EngineError(f"request {req.request_id!r}: {len(tokens)} tokens but {len(logprobs)} logprobs")
+        if finish == "length" and len(tokens) != req.max_new_tokens:
+            raise EngineError(f"request {req.request_id!r}: stopped at {len(tokens)} tokens without EOS "
+                              f"(max_new_tokens={req.max_new_tokens})")
+        self._stats["gen/tokens"] += len(tokens)
+        self._stats["gen/requests_finished"] += 1
+        return Completion(
+            request_id=req.request_id, prompt_id=req.prompt_id, sample_idx=req.sample_idx,
+            prompt_ids=tuple(req.prompt_ids), output_ids=tokens, logprobs=logprobs, finish_reason=finish,
+            version_start=v_start, version_end=v_end, t_start=t_start, t_end=t_end, instance=self.instance,
+        )
+
+    # ------------------------------------------------------------------ failure and shutdown
+    def _fail(self, error: EngineError) -> None:
+        with self._done_cv:
+            self._error = error
+            self._done_cv.notify_all()
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise EngineError(f"engine {self.instance!r} is shut down")
+        if self._error is not None:
+            raise self._error
+
+    def _check_version(self, version: int) -> None:
+        if version < self._version:
+            raise ValueError(f"update_weights: version {version} is older than the installed {self._version}")
+
+    def _close(self) -> bool:
+        """Mark the engine shut down and drop the queued requests; False if it already was."""
+        with self._done_cv:
+            if self._closed:
+                return False
+            self._closed = True
+            self._waiting.clear()
+            self._waiting_ids.clear()
+            self._done_cv.notify_all()
+            return True
+
+    # ------------------------------------------------------------------ reads
     @property
     def version(self) -> int:
         return self._version
@@ -70,8 +286,6 @@ class QueueBookkeeping:
             return len(self._waiting_ids) + len(self._inflight) + len(self._done)
 
     def stats(self) -> dict[str, float]:
-        import time
-
         with self._lock:
             s = dict(self._stats)
             if self._busy_since is not None:
@@ -124,8 +338,15 @@ class GenerationEngine(ABC):
     def version(self) -> int:
         """The policy version currently installed."""
 
-    # Optional: progress and preemption, for runtime rebalancing of running requests.
-    supports_preempt = False
+    # Capabilities, declared here so callers never probe with getattr/hasattr.
+    supports_preempt: bool = False
+    """Whether ``preempt`` can stop a running request and hand back its prefix."""
+    _max_inflight: int | None = None
+
+    @property
+    def max_inflight(self) -> int | None:
+        """Requests the engine runs at once (its batch); None where the backend does not say."""
+        return self._max_inflight
 
     def progress(self) -> dict[str, int]:
         """Tokens generated so far by each started, unfinished request (by ``request_id``);

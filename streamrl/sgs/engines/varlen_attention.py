@@ -4,16 +4,9 @@ Why. Without flash attention, continuous batching (CB) runs ``paged|eager``: it 
 running request's new tokens into one query sequence and every request's cached tokens into
 one key sequence, and multiplies them densely under a block-diagonal mask. One decode step with
 B running requests of context c then costs B x (B x c) query-key products, almost all masked
-away. Measured on the tiny policy, 1 thread, ms per decode step:
-
-    context   B=1    B=4    B=16    B=64
-      10      4.1    4.7     5.1    10.9
-     120      4.2    4.9    14.8   182.9
-     230      4.1    7.2    36.9   501.6
-
-so a batch that holds long requests is up to ~50x slower per token than it needs to be, and
-the cost of a request depends on the contexts of the others in its batch. Flash/paged kernels
-on a GPU (and vLLM) attend each request to its own keys only.
+away, so a batch that holds long requests is far slower per token than it needs to be, and a
+request's cost depends on the contexts of the others in its batch (docs/experiments.md). Flash
+and paged kernels on a GPU (and vLLM) attend each request to its own keys only.
 
 What. ``varlen_paged_attention`` has the signature of transformers' attention functions.
 ``install()`` registers it under the two names CB runs with (``sdpa``, the tiny policy's
@@ -22,17 +15,13 @@ transformers' original function unchanged. It does the same cache update as the 
 then attends each request to its own keys only (from ``cu_seq_lens_q`` / ``cu_seq_lens_k``):
 the decoding requests (one new token each) are sorted by context length and cut into buckets,
 a cut wherever it pads ``SPLIT_MIN_KEYS`` (1024) keys fewer; each bucket shares one SDPA over its
-keys padded to its longest, ``[B_b, heads, 1, max_k_b]``; a request in prefill (a chunk of q new tokens, k keys) gets
-its own causal SDPA where query t sees keys ``j <= k - q + t``, so a prefill chunk never pads
-the decoders' queries. Cost: about sum(k) over the decoders plus sum(q x k) over prefill chunks,
-instead of (sum q) x (sum k). Why buckets: one bucket for all decoders, padded to the longest,
-made a step with one long request among short ones cost like all of them long (16 requests of
-context 9: 6.0 ms per step; 15 of them and one of context 300: 10.1; all 16 at 300: 19.5; tiny
-policy, 1 thread). Why not a bucket per length: each bucket adds a few small ops per layer; cut
-at every length, a bench-modes generation batch (128 requests, up to 64 running) took 2.72 s
-against 2.49 s padded; with the 1024-key rule 2.38-2.43 s, and the 15 + 1 step 8.1 ms against
-11.8 ms padded (that session's machine was slower). The outputs go back into the packed layout CB expects. It is the same
-softmax over the same keys (log-probs agree with the dense path to ~1e-5).
+keys padded to its longest, ``[B_b, heads, 1, max_k_b]``; a request in prefill (a chunk of q new
+tokens, k keys) gets its own causal SDPA where query t sees keys ``j <= k - q + t``, so a prefill
+chunk never pads the decoders' queries. Cost: about sum(k) over the decoders plus sum(q x k) over
+prefill chunks, instead of (sum q) x (sum k). Buckets, because one bucket padded to the longest
+makes one long request cost like all of them long, and a bucket per length adds small ops per
+layer that cost more than they save. The outputs go back into the packed layout CB expects. It
+is the same softmax over the same keys (log-probs agree with the dense path to ~1e-5).
 
 Scope. ``install(model)`` marks that model's attention layers and wraps two entries of
 transformers' process-wide attention registry. Only marked layers called with CB's paged cache

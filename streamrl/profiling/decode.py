@@ -15,7 +15,7 @@ backend works) or a plain transformers causal LM (measured with its own KV-cache
 Engines must be built without a reachable EOS (``eos_token_id=None``) so every request runs to
 ``new_tokens``; a request that stops early raises.
 
-``python -m streamrl.sgs.engines.profile`` prints the tables for the ~1M-param tiny Qwen2.
+``python -m streamrl.profiling.decode`` prints the tables for the ~1M-param tiny Qwen2.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from streamrl.types import GenRequest
 _ids = itertools.count()
 
 
-def _prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+def random_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
     g = torch.Generator().manual_seed(seed)
     return [tuple(torch.randint(0, vocab, (prompt_len,), generator=g).tolist()) for _ in range(batch_size)]
 
@@ -41,7 +41,7 @@ def _vocab(model: Any) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
-def _engine_run(engine: GenerationEngine, prompts: list[tuple[int, ...]], new_tokens: int) -> tuple[float, int]:
+def engine_run(engine: GenerationEngine, prompts: list[tuple[int, ...]], new_tokens: int) -> tuple[float, int]:
     """Submit all prompts at once, wait for all; return (wall seconds, output tokens)."""
     if engine.num_pending():
         raise RuntimeError(f"profiling needs an idle engine; {engine.num_pending()} requests are pending")
@@ -85,11 +85,11 @@ def profile_decode_latency(engine_or_model: Any, batch_sizes: list[int], prompt_
     vocab = _vocab(model) if model is not None else 2
     rows = []
     for b in batch_sizes:
-        prompts = _prompts(b, prompt_len, vocab, seed)
+        prompts = random_prompts(b, prompt_len, vocab, seed)
         if is_engine:
-            _engine_run(engine_or_model, prompts[:1], 2)  # warm-up
-            one, _ = _engine_run(engine_or_model, prompts, 1)
-            full, _ = _engine_run(engine_or_model, prompts, new_tokens)
+            engine_run(engine_or_model, prompts[:1], 2)  # warm-up
+            one, _ = engine_run(engine_or_model, prompts, 1)
+            full, _ = engine_run(engine_or_model, prompts, new_tokens)
             step_s = max(full - one, 0.0) / (new_tokens - 1)
         else:
             _model_decode_s(engine_or_model, prompts[:1], 2)  # warm-up
@@ -127,10 +127,10 @@ def measure_throughput(engine_or_model: Any, batch_size: int, new_tokens: int = 
     """End-to-end output tokens/s for ``batch_size`` requests of ``new_tokens`` each."""
     is_engine = isinstance(engine_or_model, GenerationEngine)
     model = engine_or_model.model if is_engine else engine_or_model
-    prompts = _prompts(batch_size, prompt_len, _vocab(model), seed)
+    prompts = random_prompts(batch_size, prompt_len, _vocab(model), seed)
     if is_engine:
-        _engine_run(engine_or_model, prompts[:1], 2)  # warm-up
-        wall, tokens = _engine_run(engine_or_model, prompts, new_tokens)
+        engine_run(engine_or_model, prompts[:1], 2)  # warm-up
+        wall, tokens = engine_run(engine_or_model, prompts, new_tokens)
     else:
         ids = torch.tensor(prompts)
         kw = dict(do_sample=True, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

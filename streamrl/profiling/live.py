@@ -2,45 +2,26 @@
 
 What is measured, all on the configured policy and with real tokens (nothing is modelled):
 
-* **Decode latency PTL(BS)** of one generation instance: the configured engine at
-  ``generation.threads_per_instance`` threads, built like the live SGS builds it
-  (``controller.colocated.engine_kwargs``) except that EOS is unreachable, so every request runs to
-  the requested length. ``sgs.engines.profile.profile_decode_latency`` takes the difference of an
-  ``new_tokens``-token run and a 1-token run at each batch size, which removes prefill and
-  admission. Prompts are random tokens of the workload's mean prompt length.
-* **Admission + prefill per request**: the same engine's one-token runs at each batch size;
-  ``fit_prefill`` fits ``one_token_s(b) - PTL(b) = c + d * b`` and stores ``d`` (seconds per
-  admitted request, and ``prompt_len / d`` as prefill tokens/s) under ``"prefill"``. The
-  simulator charges it per admitted request (``sim.cost.ProfiledDecode``); without it, generation
-  is under-estimated by the prompts' prefill.
-* Every timed piece is the median of ``repeats`` (``REPEATS``) measurements: the typical cost,
-  which is what the bench's means over iterations see on a quiet machine. Profile on a quiet
-  machine: other processes only add time, and far more to a 2-thread OpenMP team than to one
-  thread (``REPEATS``'s note).
-* **Context cost** ``kv_ms_per_token`` (``policies.latency.LatencyModel``'s context term):
-  ``sgs.engines.profile.context_cost`` on the same engine (PTL again at batch 16 with 200 more
-  prompt tokens each), as ``bench scheduling`` measures it (also in the colocated layout).
-* **Trainer costs** at ``trainer.threads`` threads: the engine (EOS reachable) first generates
-  one iteration of the real workload (``prompts_per_iter x n_samples`` synthetic-task requests),
-  the samples are scored with the task reward, then the live trainer's two kinds of work are
-  timed on them (``measure_train``): optimizer steps (one untimed warm-up step and
-  ``train_steps`` timed ones on dynamic batches of ``trainer.step_tokens``:
-  ``train_step_tokens_per_s``) and *prepare calls*: ``Trainer.prepare_groups`` (reference
-  log-probs, critic values, GAE for PPO) on calls of 1, 2, 4, ... live units and on the whole
-  iteration (the unit is one sample for PPO and a prompt's group for GRPO, as
-  ``controller/pipelines.py`` and ``controller/colocated.py`` cut them). ``prepare_groups``
-  sorts a call's samples by length and runs shared forward passes of ``trainer.micro_batch_tokens``
-  padded tokens, so its cost is fitted as ``prepare_s_per_pass * passes +
-  prepare_s_per_padded_token * padded tokens`` (``fit_prepare_calls``): on the tiny policy a pass
-  is dominated by per-call overhead, so one call of 128 samples costs a small fraction of 128
-  calls of one. ``sim.cost.ProfiledTrain`` charges that per call, ``sim.systems`` forms the calls
-  as the live controller does. Also recorded: the combined rate ``train_tokens_per_s`` = (prompt
-  + response tokens) / (prepare + step seconds) of the timed steps, each step's batch prepared
-  in one call.
-* **Colocated numbers** (optional, ``colocated_threads``; default ``cluster.num_cpus``): both of the
-  above again at the colocated worker's thread count, in its process layout (``measure_colocated``:
-  an engine alive beside the trainer, which changes libgomp's spinning), stored under
-  ``"colocated"``; skipped when that equals the disaggregated thread counts or is 0.
+* **Decode latency PTL(BS)** of one generation instance, built as the live SGS builds it
+  (``controller.colocated.engine_kwargs``) but with EOS unreachable, so every request runs to the
+  requested length: ``profiling.decode.profile_decode_latency`` takes the difference of a
+  ``new_tokens``-token run and a 1-token run at each batch size, which removes prefill.
+* **Admission + prefill per request**: ``fit_prefill`` fits ``one_token_s(b) - PTL(b) = c + d * b``
+  and stores ``d`` under ``"prefill"``; the simulator charges it per admitted request.
+* **Context cost** ``kv_ms_per_token`` (``profiling.decode.context_cost``: PTL again at batch 16
+  with 200 more prompt tokens each), as ``bench scheduling`` measures it.
+* **Trainer costs** at ``trainer.threads`` threads on one generated iteration of the real
+  workload (``measure_train``): optimizer steps on dynamic batches of ``trainer.step_tokens``
+  (``train_step_tokens_per_s``), and ``Trainer.prepare_groups`` on calls of 1, 2, 4, ... live
+  units (a sample for PPO, a group for GRPO), fitted as ``prepare_s_per_pass * passes +
+  prepare_s_per_padded_token * padded tokens`` (``fit_prepare_calls``); ``sim.cost.ProfiledTrain``
+  charges calls in that form. Also the combined ``train_tokens_per_s``.
+* **Colocated numbers** (``colocated_threads``, default ``cluster.num_cpus``; 0 skips): the above
+  again in the colocated worker's process layout (``measure_colocated``: an engine alive beside
+  the trainer changes libgomp's spinning), under ``"colocated"``.
+
+Every timed piece is the median of ``REPEATS`` measurements; profile on a quiet machine (other
+processes only add time, far more to a 2-thread OpenMP team than to one thread).
 
 The profile file is ``policies.latency``'s format plus extra keys::
 
@@ -52,8 +33,8 @@ The profile file is ``policies.latency``'s format plus extra keys::
      "colocated": {"threads": 2, "points": [...], "train_tokens_per_s": ..., "train": {...}, "prefill": {...},
                    "kv_ms_per_token": ..., "kv": {...}}}
 
-``sample_out_lens`` are the output lengths of the generated iteration (the policy's own length
-distribution at profiling time; ``simulate modes`` can replay them).
+``sample_out_lens`` are the output lengths of the generated iteration (``simulate modes`` can
+replay them).
 """
 
 from __future__ import annotations
@@ -68,7 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from streamrl.config import Config
-from streamrl.sgs.engines.profile import context_cost
+from streamrl.profiling.decode import context_cost
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONFIG = "configs/bench.yaml"
@@ -113,7 +94,7 @@ prepares took 6.1 s at 1 thread and 51.9 s at 2 threads while the fastest single
 def decode_engine(cfg: Config, model, tokenizer, threads: int, seed: int):
     """The configured engine at ``threads`` threads, built like the live SGS and colocated worker
     build it (``controller.colocated.engine_kwargs``) except that EOS is unreachable."""
-    from streamrl.controller.colocated import engine_kwargs
+    from streamrl.sgs.engines.build import engine_kwargs
     from streamrl.sgs.engines.base import make_engine
 
     kw = {**engine_kwargs(cfg, tokenizer, threads, "profile", seed), "eos_token_id": None}
@@ -125,7 +106,7 @@ def decode_rows(engine, vocab: int, batch_sizes: Sequence[int], prompt_len: int,
     """PTL(BS) rows of ``engine`` (median of ``repeats``) and its one-token rows: wall seconds to
     admit ``batch_size`` requests, prefill their prompts and return one token each
     (``fit_prefill`` turns them into a prefill cost)."""
-    from streamrl.sgs.engines.profile import _engine_run, _prompts, profile_decode_latency
+    from streamrl.profiling.decode import engine_run, random_prompts, profile_decode_latency
 
     runs: dict[int, list[dict[str, float]]] = {}
     one: dict[int, list[float]] = {}
@@ -133,7 +114,7 @@ def decode_rows(engine, vocab: int, batch_sizes: Sequence[int], prompt_len: int,
         for r in profile_decode_latency(engine, list(batch_sizes), prompt_len=prompt_len, new_tokens=new_tokens, seed=seed):
             runs.setdefault(int(r["batch_size"]), []).append(r)
         for b in batch_sizes:
-            one.setdefault(b, []).append(_engine_run(engine, _prompts(b, prompt_len, vocab, seed + 1), 1)[0])
+            one.setdefault(b, []).append(engine_run(engine, random_prompts(b, prompt_len, vocab, seed + 1), 1)[0])
     rows = []
     for b in sorted(runs):
         ms = float(np.median([r["ms_per_token"] for r in runs[b]]))
@@ -168,12 +149,12 @@ def measure_colocated(cfg: Config, model, tokenizer, samples: list, threads: int
     engine's shutdown; at 1 thread 2.6-2.8 s either way. So the trainer is measured here while an
     engine that has generated is alive, and the decode latency after the trainer's team exists.
     """
-    from streamrl.sgs.engines.profile import _engine_run, _prompts
+    from streamrl.profiling.decode import engine_run, random_prompts
 
     vocab = int(model.config.get_text_config().vocab_size)
     engine = decode_engine(cfg, model, tokenizer, threads, cfg.run.seed)
     try:
-        _engine_run(engine, _prompts(8, prompt_len, vocab, cfg.run.seed), 4)  # its loop thread's team exists now
+        engine_run(engine, random_prompts(8, prompt_len, vocab, cfg.run.seed), 4)  # its loop thread's team exists now
         train = measure_train(cfg, samples, threads, train_steps, repeats)
         points, one = decode_rows(engine, vocab, batch_sizes, prompt_len, new_tokens, cfg.run.seed, repeats)
         kv = context_cost(engine, points, prompt_len, new_tokens, cfg.run.seed, repeats)
@@ -202,7 +183,7 @@ def fit_prefill(one_rows: Sequence[dict], ptl_rows: Sequence[dict]) -> dict[str,
 
 def generate_samples(cfg: Config, model, tokenizer, task, threads: int) -> tuple[list, float]:
     """One iteration of the real workload, generated and scored: ``(samples, generation seconds)``."""
-    from streamrl.controller.colocated import engine_kwargs, run_to_completion
+    from streamrl.sgs.engines.build import engine_kwargs, run_to_completion
     from streamrl.controller.common import RequestBuilder
     from streamrl.sgs.engines.base import make_engine
     from streamrl.types import Sample
@@ -220,10 +201,9 @@ def generate_samples(cfg: Config, model, tokenizer, task, threads: int) -> tuple
         engine.shutdown()
     samples = []
     for c in completions:
-        prompt_id, idx = c.request_id.split(":", 1)[1].rsplit("/", 1)
-        prompt = by_id[prompt_id]
+        prompt = by_id[c.prompt_id]
         text = tokenizer.decode(list(c.output_ids), skip_special_tokens=True)
-        samples.append(Sample(prompt=prompt, sample_idx=int(idx), completion=c, response_text=text,
+        samples.append(Sample(prompt=prompt, sample_idx=c.sample_idx, completion=c, response_text=text,
                               reward=float(task.reward(prompt, text))))
     return samples, gen_s
 
@@ -386,7 +366,7 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     """Measure and return the profile dict (see module docstring). Raises ``PolicyMissing``."""
     import torch
 
-    from streamrl.controller.common import make_task
+    from streamrl.tasks.factory import make_task
     from streamrl.models.tiny import encode_prompt, load_policy
 
     if not (Path(cfg.policy.path) / "config.json").is_file():
@@ -455,87 +435,3 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     if colocated:
         prof["colocated"] = colocated
     return prof
-
-
-def _prepare_desc(train: dict) -> str:
-    return (f"{train['prepare_s_per_pass'] * 1e3:.2f} ms per pass + {train['prepare_s_per_padded_token'] * 1e6:.1f} us "
-            f"per padded token (passes of {train['micro_batch_tokens']} padded tokens)")
-
-
-def run_profile(args) -> int:
-    """Handler of ``streamrl profile``."""
-    import sys
-
-    from streamrl.config import load_config, split_cli_config
-    from streamrl.metrics.report import print_table, write_json
-    from streamrl.policies.latency import latency_from_dict
-
-    config, overrides = split_cli_config(args.config, args.overrides, default=DEFAULT_CONFIG)
-    cfg = load_config(config, overrides)
-    try:
-        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-    except ValueError:
-        print(f"streamrl profile: --batch-sizes {args.batch_sizes!r} is not a comma list of integers", file=sys.stderr)
-        return 2
-    try:
-        prof = measure_profile(cfg, sizes, args.new_tokens, args.train_steps, args.colocated_threads,
-                               repeats=getattr(args, "repeats", REPEATS))
-    except PolicyMissing as exc:
-        print(f"streamrl profile: {exc}", file=sys.stderr)
-        return 2
-    latency_from_dict(prof)  # the file must load back as a LatencyModel
-    g = cfg.generation
-    prof["workload"] = {"config": config, "overrides": overrides, "algo": cfg.trainer.algo,
-                        "prompts_per_iter": g.prompts_per_iter, "n_samples": g.n_samples,
-                        "max_new_tokens": g.max_new_tokens, "step_tokens": cfg.trainer.step_tokens}
-    rows = prof.pop("rows")
-    colo = prof.get("colocated")
-    table = []
-    for i, r in enumerate(rows):
-        row = {"batch_size": r["batch_size"], "ms_per_token": r["ms_per_token"], "tokens_per_s": r["tokens_per_s"]}
-        if colo:
-            c = colo["rows"][i]
-            row[f"ms_per_token@{colo['threads']}t"] = c["ms_per_token"]
-            row[f"tokens_per_s@{colo['threads']}t"] = c["tokens_per_s"]
-        table.append(row)
-    if colo:
-        colo.pop("rows")
-    tr = prof["train"]
-    print_table("streamrl profile: PTL(batch size)", table)
-    print(f"{prof['engine']} engine, {prof['model']} ({prof['params'] / 1e6:.2f} M params), {prof['threads']} thread(s), "
-          f"random prompts of {round(prof['prompt_len_mean'])} tokens (workload mean {prof['prompt_len_mean']:.1f}), "
-          f"latency = ({prof['new_tokens']}-token run - 1-token run) / {prof['new_tokens'] - 1}")
-    line = (f"trainer ({tr['algo']}, {prof['trainer_threads']} thread(s)): {prof['train_tokens_per_s']:.0f} tokens/s "
-            f"(prepare {tr['prepare_s']:.2f}s + train_step {tr['train_step_s']:.2f}s for {tr['tokens']} tokens, "
-            f"{tr['steps']} steps)")
-    line += f"; prepare call {_prepare_desc(tr)}, optimizer steps {tr['train_step_tokens_per_s']:.0f} tokens/s"
-    if colo:
-        ct = colo["train"]
-        line += (f"; at {colo['threads']} threads: {colo['train_tokens_per_s']:.0f} tokens/s (prepare call "
-                 f"{_prepare_desc(ct)}, steps {ct['train_step_tokens_per_s']:.0f} tokens/s)")
-    print(line)
-    print_table("prepare calls (Trainer.prepare_groups, median of repeats; last column: the fit)",
-                [{**r, "ms_per_sample": r["s"] * 1e3 / r["samples"],
-                  "fit_s": r["passes"] * tr["prepare_s_per_pass"] + r["padded_tokens"] * tr["prepare_s_per_padded_token"]}
-                 for r in tr["prepare_calls"]])
-    pf = prof["prefill"]
-    line = f"admission + prefill per request: {pf['s_per_request'] * 1e3:.2f} ms at {prof['threads']} thread(s)"
-    if colo:
-        line += f", {colo['prefill']['s_per_request'] * 1e3:.2f} ms at {colo['threads']} threads"
-    print(line + f" (one-token runs, {pf['prompt_len']:.0f}-token prompts; median of {prof['repeats']})")
-    kv = prof["kv"]
-    line = (f"context cost: {prof['kv_ms_per_token'] * 1e3:.2f} us per running context token per step (batch "
-            f"{kv['batch_size']}: {kv['ms_per_token_short']:.2f} ms/step, {kv['ms_per_token_long']:.2f} with "
-            f"{kv['extra_context']} more prompt tokens each)")
-    if colo:
-        line += f", {colo['kv_ms_per_token'] * 1e3:.2f} us at {colo['threads']} threads"
-    print(line)
-    gen = prof["generation"]
-    lens = prof["sample_out_lens"]
-    print(f"workload iteration ({config}: {g.prompts_per_iter} prompts x {g.n_samples}, cap {g.max_new_tokens}): "
-          f"{gen['requests']} requests, mean output {sum(lens) / max(len(lens), 1):.1f} tokens, "
-          f"{gen['tokens_per_s']:.0f} output tokens/s end to end")
-    out = args.out or default_out(cfg)
-    write_json(out, prof)
-    print(f"wrote {out}")
-    return 0

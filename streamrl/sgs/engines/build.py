@@ -1,0 +1,37 @@
+"""Building and driving an engine from a run config: what instances, the colocated worker, the
+benches and the profiler share.
+
+``engine_kwargs`` maps the ``generation`` section to a backend's constructor arguments;
+``run_to_completion`` adds a batch of requests and collects every completion (one blocking call,
+for callers that do not stream).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from streamrl.types import Completion, GenRequest
+
+if TYPE_CHECKING:
+    from streamrl.config import Config
+
+
+def engine_kwargs(cfg: "Config", tokenizer, threads: int, instance: str, seed: int) -> dict:
+    g = cfg.generation
+    kw = dict(temperature=g.temperature, top_p=g.top_p, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id, max_batch_tokens=g.max_batch_tokens,
+              max_requests_per_batch=g.max_requests_per_batch, num_blocks=g.num_blocks, page_size=g.page_size,
+              num_threads=threads, seed=seed, instance=instance)
+    if g.engine == "transformers":
+        kw["attention"] = g.cb_attention
+    return kw
+
+
+def run_to_completion(engine, requests: list[GenRequest]) -> list[Completion]:
+    """Add every request and collect every completion (in completion order)."""
+    for r in requests:
+        engine.add_request(r)
+    done: list[Completion] = []
+    while len(done) < len(requests):
+        done.extend(engine.get_completions(timeout=1.0))
+    return done
