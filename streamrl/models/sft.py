@@ -66,10 +66,6 @@ def _bucketed_batches(tokenizer, rng: random.Random, size: int, spec: SyntheticS
             yield _collate(tokenizer, chunk)
 
 
-def _batch(tokenizer, rng: random.Random, size: int, spec: SyntheticSpec):
-    return _collate(tokenizer, _encode_problems(tokenizer, [make_problem(rng, spec) for _ in range(size)]))
-
-
 def _collate(tokenizer, encoded: list[tuple[list[int], int]]):
     seqs = [e[0] for e in encoded]
     starts = [e[1] for e in encoded]

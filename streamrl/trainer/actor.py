@@ -18,7 +18,7 @@ already works on the next iteration's groups (stream-async overlaps the push wit
 Two trainer backends behind the same logic (``trainer.backend``):
 - ``single``: the ``Trainer`` in this process (``trainer.threads`` CPUs); it flattens its own
   state dict for the publish.
-- ``fsdp`` (always on GPU): an ``FSDPGroupTrainer`` (``trainer/fsdp.py``). Steps 1-4 are
+- ``fsdp`` (always on GPU): an ``FSDPTrainerGroup`` (``trainer/fsdp.py``). Steps 1-4 are
   still decided here (staleness, preparing, the batch cut, epochs, versions); preparing needs
   no model (GRPO, no reference, no critic), so this actor loads none and reserves no CPU. The
   optimizer steps, the publish (rank 0 gathers, flattens and puts the buffer: the weights still
@@ -52,11 +52,10 @@ class IterationTrainer:
         cfg = config_from_dict(cfg_tree)
         cfg.trainer.threads = threads
         self.cfg = cfg
-        self.fsdp = cfg.trainer.backend == "fsdp"
-        if self.fsdp:
-            from streamrl.trainer.fsdp import FSDPGroupTrainer
+        if cfg.trainer.backend == "fsdp":
+            from streamrl.trainer.fsdp import FSDPTrainerGroup
 
-            self.trainer = FSDPGroupTrainer(cfg)
+            self.trainer = FSDPTrainerGroup(cfg)
         else:
             self.trainer = Trainer(cfg)
         self.max_staleness = max_staleness
@@ -75,15 +74,10 @@ class IterationTrainer:
         self.tokens = 0
 
     def publish(self) -> object:
-        """Flatten the current policy and put it in the object store; returns the handle."""
-        from streamrl.weights.flat import flatten
-        from streamrl.weights.transfer import RayObjectStoreTransport
-
+        """Flatten the current policy and put it in the object store; returns the handle (with
+        ``fsdp``, rank 0 gathers, flattens and puts it: no state dict passes through here)."""
         t0 = time.time()
-        if self.fsdp:
-            handle = self.trainer.publish()  # rank 0 gathers, flattens and puts: no state dict passes here
-        else:
-            handle = RayObjectStoreTransport().publish(flatten(self.trainer.model.state_dict(), self.trainer.version))
+        handle = self.trainer.publish()
         self.events.append(Event("trainer", "weight_push", self.iteration, self.trainer.version, t0, time.time()))
         return handle
 
@@ -157,11 +151,7 @@ class IterationTrainer:
         return out
 
     def parameters_vector(self):
-        if self.fsdp:
-            return self.trainer.parameters_vector()
-        import torch
-
-        return torch.cat([p.detach().flatten() for p in self.trainer.model.parameters()]).numpy()
+        return self.trainer.parameters_vector()
 
     def save(self, path: str, extra: dict) -> None:
         self.trainer.save_checkpoint(path, extra)
@@ -172,8 +162,7 @@ class IterationTrainer:
     def shutdown(self) -> None:
         """Stop the FSDP2 ranks and free their placement group: a placement group lives as long as
         the job, not as the actor that made it, so killing this actor alone would keep it reserved."""
-        if self.fsdp:
-            self.trainer.shutdown()
+        self.trainer.shutdown()
 
 
 TrainerActor = ray.remote(IterationTrainer)

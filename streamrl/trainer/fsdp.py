@@ -4,7 +4,7 @@ One process per rank (one GPU each on a GPU node, NCCL; or CPU processes over gl
 the tests run it). Every rank holds 1/W of each parameter; a forward all-gathers a layer's
 parameters, the backward reduce-scatters its gradients (averaged over ranks).
 
-Dataflow of one optimizer step (``FSDPTrainer.train_step(items)``)::
+Dataflow of one optimizer step (``FSDPRank.train_step(items)`` on every rank)::
 
     the same item list on every rank --shard_items--> rank r's items (token-balanced, deterministic)
     per rank: micro-batches by the token budget, padded to the SAME count on every rank with
@@ -17,11 +17,11 @@ Dataflow of one optimizer step (``FSDPTrainer.train_step(items)``)::
 the tensors on CPU for the weight push. With ``param_dtype="bfloat16"`` master weights and
 optimizer state stay fp32, forward/backward run in bf16 and gradients are reduced in fp32.
 
-Across Ray (``FSDPTrainerGroup``): one actor per rank in one placement group whose bundles come
-from ``streamrl.placement``, rendezvous at rank 0's node; the caller drives every rank in
-lockstep with the same item list (one ``ray.put``). In the pipelines (``trainer.backend=fsdp``)
-the trainer actor keeps its logic and holds an ``FSDPGroupTrainer``, the ``Trainer`` interface
-without a model::
+Across Ray (``FSDPTrainerGroup``): one ``FSDPRank`` actor per rank in one placement group whose
+bundles come from ``streamrl.placement``, rendezvous at rank 0's node; the group drives every
+rank in lockstep with the same item list (one ``ray.put``). In the pipelines
+(``trainer.backend=fsdp``) the trainer actor keeps its logic and holds the group in place of the
+single-process ``Trainer`` (the same methods, without a model)::
 
     IterationTrainer: staleness check, prepare, GRPO advantages, dynamic-batch cut, epochs
         --train_step(items)--> FSDPTrainerGroup --> every rank (one optimizer step)
@@ -52,7 +52,8 @@ import torch.distributed as dist
 from streamrl.config import Config
 from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer import losses
-from streamrl.trainer.trainer import Prepared, Trainer, _pad, _per_token, micro_batches
+from streamrl.trainer.trainer import Prepared, _pad, _per_token, micro_batches, set_group_advantages, to_prepared
+from streamrl.types import Sample
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -102,27 +103,51 @@ def shard_items(items: list[Prepared], world_size: int) -> list[list[Prepared]]:
     return [[p for p, o in zip(items, owner) if o == r] for r in range(world_size)]
 
 
-class FSDPTrainer(Trainer):
-    """The Trainer on one rank of an FSDP2 group (call every method on every rank)."""
+class FSDPRank:
+    """One FSDP2 rank: the policy sharded with ``fully_shard``, AdamW on its shards, and this
+    rank's share of each optimizer step. ``FSDPTrainerGroup`` runs one per rank as a Ray actor;
+    every method after ``setup`` is a collective (call it on every rank, in lockstep)."""
 
-    def __init__(self, cfg: Config, policy_path: str | None = None, param_dtype: str = "float32") -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("FSDPTrainer needs torch.distributed initialised (see init_distributed)")
-        if cfg.trainer.kl_coef > 0 or cfg.trainer.algo != "grpo":
-            raise ValueError(f"FSDPTrainer supports GRPO without a reference model; got trainer.algo="
-                             f"{cfg.trainer.algo!r}, trainer.kl_coef={cfg.trainer.kl_coef}")
-        super().__init__(cfg, policy_path)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    def __init__(self, rank: int, world_size: int, cfg_tree: dict, policy_path: str | None, param_dtype: str,
+                 threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world_size = rank, world_size
+        self.cfg_tree, self.policy_path, self.param_dtype = cfg_tree, policy_path, param_dtype
+
+    def endpoint(self) -> tuple[str, int]:
+        """This node's address and a free port on it: rank 0's is the rendezvous point."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, backend: str | None) -> str:
+        """Join the process group, load the policy (as ``Trainer`` does: same seed, same weights)
+        and shard it; returns the backend."""
+        from streamrl.config import config_from_dict
+        from streamrl.models.tiny import load_policy
+
+        backend = init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
+        cfg = config_from_dict(self.cfg_tree)
+        self.tcfg, self.temperature = cfg.trainer, cfg.generation.temperature
+        torch.manual_seed(cfg.run.seed)
+        self.model, self.tokenizer = load_policy(self.policy_path or cfg.policy.path)
+        self.model.train()
+        self.pad_id = self.tokenizer.pad_token_id
+        if torch.cuda.is_available() and backend == "nccl":
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
-        shard_policy(self.model, param_dtype)
+        shard_policy(self.model, self.param_dtype)
         # fully_shard swaps in DTensor parameters: the optimizer must be built on those.
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
         self._device = next(self.model.parameters()).device
+        return backend
 
     def train_step(self, items: list[Prepared]) -> dict[str, float]:
-        if not items:
-            raise ValueError("train_step needs at least one sample")
+        """This rank's share of one optimizer step over all of ``items`` (see the module docstring)."""
         mine = shard_items(items, self.world_size)
         per_rank_mbs = [micro_batches(share, self.tcfg.micro_batch_tokens) if share else [] for share in mine]
         n_micro = max(len(m) for m in per_rank_mbs)
@@ -142,7 +167,6 @@ class FSDPTrainer(Trainer):
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.opt.step()
-        self.steps += 1
         sums.update({"train/grad_norm": float(grad_norm), "train/tokens": sum(p.num_tokens for p in items),
                      "train/samples": len(items), "train/rank_samples": len(mine[self.rank])})
         return sums
@@ -168,20 +192,29 @@ class FSDPTrainer(Trainer):
         return metrics
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) state dict on CPU: on rank 0; other ranks get ``{}``. A collective."""
+        """Full (unsharded) state dict on CPU: on rank 0; other ranks get ``{}``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def parameters_vector(self) -> torch.Tensor:
-        """Every parameter, unsharded, flattened and concatenated in ``parameters()`` order (as
-        the single-process trainer's); on CPU, on every rank. A collective (one all-gather each)."""
-        return torch.cat([p.full_tensor().detach().flatten().cpu() for p in self.model.parameters()])
+    def publish(self, version: int):
+        """Gather the full state dict; rank 0 flattens it into one buffer and puts it in the
+        object store (it owns the object) and returns the handle; others return None."""
+        from streamrl.weights.flat import flatten
+        from streamrl.weights.transfer import RayObjectStoreTransport
 
-    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
+        state = self.policy_state()
+        return RayObjectStoreTransport().publish(flatten(state, version)) if self.rank == 0 else None
+
+    def parameters_vector(self) -> np.ndarray:
+        """Every parameter, unsharded, flattened and concatenated in ``parameters()`` order (as
+        the single-process trainer's); on every rank (one all-gather each)."""
+        return torch.cat([p.full_tensor().detach().flatten().cpu() for p in self.model.parameters()]).numpy()
+
+    def save_checkpoint(self, path: str, extra: dict, version: int, steps: int) -> None:
         """``Trainer.save_checkpoint``'s files in its format, from full state dicts gathered on
-        rank 0, which alone writes (a collective). The optimizer state is keyed by parameter index
-        as ``torch.optim`` keys it, so a single-process trainer can resume from it and back, at any
+        rank 0, which alone writes. The optimizer state is keyed by parameter index as
+        ``torch.optim`` keys it, so a single-process trainer can resume from it and back, at any
         world size. Every rank must see ``path`` when loading (one node, or shared storage)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -194,8 +227,8 @@ class FSDPTrainer(Trainer):
             index = {n: i for i, n in enumerate(names)}
             opt_sd = {"state": {index[n]: v for n, v in opt_sd["state"].items()},
                       "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in opt_sd["param_groups"]]}
-            state = {"model": model_sd, "opt": opt_sd, "critic": None, "critic_opt": None, "version": self.version,
-                     "steps": self.steps, "extra": extra or {},
+            state = {"model": model_sd, "opt": opt_sd, "critic": None, "critic_opt": None, "version": version,
+                     "steps": steps, "extra": extra,
                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
             tmp = path / "trainer.pt.tmp"
             torch.save(state, tmp)
@@ -204,9 +237,10 @@ class FSDPTrainer(Trainer):
             self.tokenizer.save_pretrained(path / "policy")
         dist.barrier()
 
-    def load_checkpoint(self, path: str | Path) -> dict:
-        """Every rank reads the full state dicts of ``save_checkpoint`` (or of a single-process
-        trainer) and keeps its shards; the RNG state is rank 0's at the save. Returns ``extra``."""
+    def load_checkpoint(self, path: str) -> tuple[dict, int, int]:
+        """Read the full state dicts of ``save_checkpoint`` (or of a single-process trainer) and
+        keep this rank's shards; the RNG state is rank 0's at the save. Returns
+        ``(extra, version, steps)``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
@@ -217,88 +251,35 @@ class FSDPTrainer(Trainer):
                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["opt"]["param_groups"]]}
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=opt_sd,
                        options=StateDictOptions(full_state_dict=True))
-        self.version, self.steps = state["version"], state["steps"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
-        return state["extra"]
+        return state["extra"], state["version"], state["steps"]
 
-
-# ------------------------------------------------------------------------------- Ray workers
-def _worker_class():
-    """The Ray actor class of one FSDP2 rank (built lazily: importing this module needs no Ray)."""
-    import ray
-
-    @ray.remote
-    class FSDPWorker:
-        def __init__(self, rank: int, world_size: int, cfg_tree: dict, policy_path: str | None, param_dtype: str,
-                     threads: int) -> None:
-            torch.set_num_threads(threads)
-            self.rank, self.world_size, self.threads = rank, world_size, threads
-            self.cfg_tree, self.policy_path, self.param_dtype = cfg_tree, policy_path, param_dtype
-            self.trainer: FSDPTrainer | None = None
-
-        def endpoint(self) -> tuple[str, int]:
-            import socket
-
-            import ray
-
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            return ray.util.get_node_ip_address(), port
-
-        def setup(self, master_addr: str, master_port: int, backend: str | None) -> str:
-            from streamrl.config import config_from_dict
-
-            backend = init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
-            cfg = config_from_dict(self.cfg_tree)
-            cfg.trainer.threads = self.threads  # Trainer.__init__ sets torch's threads from it
-            self.trainer = FSDPTrainer(cfg, self.policy_path, self.param_dtype)
-            return backend
-
-        def train_step(self, items: list[Prepared]) -> dict[str, float]:
-            return self.trainer.train_step(items)
-
-        def finish_iteration(self) -> int:
-            return self.trainer.finish_iteration()
-
-        def policy_state(self) -> dict[str, torch.Tensor]:
-            return self.trainer.policy_state()
-
-        def publish(self, version: int):
-            """Gather the full state dict; rank 0 flattens it into one buffer and puts it in the
-            object store (it owns the object); others return None."""
-            from streamrl.weights.flat import flatten
-            from streamrl.weights.transfer import RayObjectStoreTransport
-
-            state = self.trainer.policy_state()
-            return RayObjectStoreTransport().publish(flatten(state, version)) if self.rank == 0 else None
-
-        def parameters_vector(self):
-            return self.trainer.parameters_vector().numpy()
-
-        def save_checkpoint(self, path: str, extra: dict) -> None:
-            self.trainer.save_checkpoint(path, extra)
-
-        def load_checkpoint(self, path: str) -> tuple[dict, int, int]:
-            extra = self.trainer.load_checkpoint(path)
-            return extra, self.trainer.version, self.trainer.steps
-
-        def close(self) -> None:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    return FSDPWorker
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class FSDPTrainerGroup:
-    """``world_size`` FSDP2 ranks as Ray actors inside ONE placement group (so the ranks are
-    co-scheduled or not at all), driven in lockstep from the caller.
+    """The trainer for ``trainer.backend=fsdp``: ``world_size`` ``FSDPRank`` actors inside ONE
+    placement group (co-scheduled or not at all), driven in lockstep, behind the surface the
+    trainer actor (``trainer.actor.IterationTrainer``) uses of ``Trainer``::
 
-    ``bundles`` default to the trainer bundles of ``placement.plan_placement(cfg)`` (GPU and
-    GPU-type label per rank on a GPU cluster); pass ``[{"CPU": 1}] * 2`` for CPU ranks over gloo.
-    Rank 0's node address and a free port on it become the rendezvous point."""
+        IterationTrainer --begin_iteration / prepare_groups / set_group_advantages--> here
+                         --train_step(items)------------------------------------> every rank
+                         --finish_iteration / publish / save / load-------------> every rank;
+                                                                                  rank 0 answers
+
+    It holds no model: GRPO without a reference or critic prepares a sample without a forward
+    pass (tokens, log-probs and the reward are copied) and the group advantage is the reward
+    normalised in its group, so no full copy of the policy sits beside the ranks' shards and the
+    trainer actor needs no CPU of its own. Versions and step counts are kept here.
+
+    ``bundles`` default to the trainer bundles of ``placement.plan_placement(cfg)`` (a GPU and
+    its type label per rank on ``device=cuda``, ``trainer.fsdp_ranks`` CPU bundles on
+    ``device=cpu``); pass ``[{"CPU": 1}] * 2`` for CPU ranks over gloo. Rank 0's node address and
+    a free port on it become the rendezvous point."""
 
     def __init__(self, cfg: Config, policy_path: str | None = None, bundles: list[dict[str, float]] | None = None,
                  strategy: str | None = None, backend: str | None = None, ready_timeout_s: float = 120.0) -> None:
@@ -306,6 +287,11 @@ class FSDPTrainerGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if cfg.trainer.kl_coef > 0 or cfg.trainer.algo != "grpo":
+            raise ValueError(f"FSDPTrainerGroup supports GRPO without a reference model; got trainer.algo="
+                             f"{cfg.trainer.algo!r}, trainer.kl_coef={cfg.trainer.kl_coef}")
+        self.cfg, self.tcfg = cfg, cfg.trainer
+        self.version = self.steps = 0
         if bundles is None:
             from streamrl.placement import plan_placement
 
@@ -322,132 +308,82 @@ class FSDPTrainerGroup:
             raise RuntimeError(f"placement group for {self.world_size} trainer ranks {bundles} ({strategy}) not "
                                f"ready after {ready_timeout_s:.0f}s: the cluster lacks the resources "
                                f"(available: {ray.available_resources()})") from None
-        worker = _worker_class()
+        rank_actor = ray.remote(FSDPRank)
         dtype = cfg.placement.trainer_dtype
         self.workers = []
         for rank, b in enumerate(bundles):
             labels = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
-            self.workers.append(worker.options(
+            self.workers.append(rank_actor.options(
                 num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=labels,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(rank, self.world_size, cfg.model_dump(), policy_path, dtype, max(1, int(b.get("CPU", 1)))))
         addr, port = ray.get(self.workers[0].endpoint.remote())
         self.backend = ray.get([w.setup.remote(addr, port, backend) for w in self.workers])[0]
 
+    def _all(self, method: str, *args) -> list:
+        """Call ``method`` on every rank at once (a collective) and wait for all of them."""
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    # ------------------------------------------------------------------ per-sample work (no model)
+    def begin_iteration(self) -> None:
+        """Nothing to snapshot: no critic."""
+
+    def prepare_groups(self, groups: list[list[Sample]]) -> list[list[Prepared]]:
+        """``Trainer.prepare_groups`` without a reference or critic: no forward pass."""
+        return [[to_prepared(s) for s in g] for g in groups]
+
+    set_group_advantages = staticmethod(set_group_advantages)
+
+    # ------------------------------------------------------------------ on the ranks
     def train_step(self, items: list[Prepared]) -> dict[str, float]:
         """One optimizer step over ``items`` split across the ranks; rank 0's metrics, plus the
         per-rank sample counts."""
         import ray
 
-        ref = ray.put(items)  # serialised once, read by every rank
-        results = ray.get([w.train_step.remote(ref) for w in self.workers])
-        metrics = dict(results[0])
-        metrics["train/rank_samples"] = [r["train/rank_samples"] for r in results]
-        return metrics
-
-    def finish_iteration(self) -> int:
-        import ray
-
-        return ray.get([w.finish_iteration.remote() for w in self.workers])[0]
-
-    def policy_state(self) -> dict[str, torch.Tensor]:
-        """The full state dict (gathered by every rank, returned by rank 0)."""
-        import ray
-
-        return ray.get([w.policy_state.remote() for w in self.workers])[0]
-
-    def publish(self, version: int):
-        """The policy as one flat buffer in the object store, put by rank 0; returns its
-        ``WeightHandle`` (the state dict itself never passes through the caller)."""
-        import ray
-
-        return ray.get([w.publish.remote(version) for w in self.workers])[0]
-
-    def parameters_vector(self):
-        """All parameters, unsharded, as one numpy vector in ``parameters()`` order."""
-        import ray
-
-        return ray.get([w.parameters_vector.remote() for w in self.workers])[0]
-
-    def save_checkpoint(self, path: str, extra: dict) -> None:
-        import ray
-
-        ray.get([w.save_checkpoint.remote(path, extra) for w in self.workers])
-
-    def load_checkpoint(self, path: str) -> tuple[dict, int, int]:
-        """Load on every rank; returns rank 0's ``(extra, version, steps)``."""
-        import ray
-
-        return ray.get([w.load_checkpoint.remote(path) for w in self.workers])[0]
-
-    def shutdown(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        ray.get([w.close.remote() for w in self.workers])
-        for w in self.workers:
-            ray.kill(w)
-        remove_placement_group(self.pg)
-
-
-# ------------------------------------------------------------------ the trainer actor's side
-class FSDPGroupTrainer(Trainer):
-    """The ``Trainer`` interface that ``trainer.actor.IterationTrainer`` drives, with every
-    optimizer step, the weight gather and checkpoints on an ``FSDPTrainerGroup``::
-
-        IterationTrainer --prepare_groups / set_group_advantages--> here (no model needed)
-                         --train_step(items)--------------------> every rank, lockstep
-                         --finish_iteration / publish / save----> every rank; rank 0 answers
-
-    It holds no model: GRPO without a reference or critic prepares a sample without a forward
-    pass (``Trainer.prepare_groups`` copies tokens, log-probs and the reward) and the group
-    advantage is the reward normalised in its group. So ``Trainer.__init__``, which would load
-    a full copy of the policy beside the ranks' shards (on GPU: a second full model in host
-    memory), is skipped, and only what those inherited methods read is set here. The trainer
-    actor then needs no CPU of its own: the ranks do the work.
-
-    The ranks get the placement plan's trainer bundles: ``placement.trainer_gpus`` GPUs on
-    ``device=cuda``, ``trainer.fsdp_ranks`` CPU bundles on ``device=cpu``.
-    """
-
-    def __init__(self, cfg: Config) -> None:
-        if cfg.trainer.kl_coef > 0 or cfg.trainer.algo != "grpo":
-            raise ValueError(f"FSDPGroupTrainer supports GRPO without a reference model; got trainer.algo="
-                             f"{cfg.trainer.algo!r}, trainer.kl_coef={cfg.trainer.kl_coef}")
-        self.cfg, self.tcfg = cfg, cfg.trainer
-        self.ref = self.critic = self.critic_old = self.critic_opt = None
-        self.version = self.steps = 0
-        self.group = FSDPTrainerGroup(cfg)
-
-    def train_step(self, items: list[Prepared]) -> dict[str, float]:
         if not items:
             raise ValueError("train_step needs at least one sample")
         t0 = time.time()
-        metrics = self.group.train_step(items)
-        self.steps += 1
+        results = self._all("train_step", ray.put(items))  # serialised once, read by every rank
+        metrics = dict(results[0])
+        metrics["train/rank_samples"] = [r["train/rank_samples"] for r in results]
         metrics["train/step_s"] = time.time() - t0
+        self.steps += 1
         return metrics
 
     def finish_iteration(self) -> int:
-        self.version = self.group.finish_iteration()
+        """Close the iteration: the policy becomes version + 1."""
+        self.version += 1
         return self.version
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        return self.group.policy_state()
+        """The full state dict (gathered by every rank, returned by rank 0)."""
+        return self._all("policy_state")[0]
 
     def publish(self):
-        """The current policy as a flat buffer in the object store (put by rank 0): its handle."""
-        return self.group.publish(self.version)
+        """The current policy as one flat buffer in the object store, put by rank 0; returns its
+        ``WeightHandle`` (the state dict itself never passes through the caller)."""
+        return self._all("publish", self.version)[0]
 
-    def parameters_vector(self):
-        return self.group.parameters_vector()
+    def parameters_vector(self) -> np.ndarray:
+        """All parameters, unsharded, as one numpy vector in ``parameters()`` order."""
+        return self._all("parameters_vector")[0]
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
-        self.group.save_checkpoint(str(path), extra or {})
+        self._all("save_checkpoint", str(path), extra or {}, self.version, self.steps)
 
     def load_checkpoint(self, path: str | Path) -> dict:
-        extra, self.version, self.steps = self.group.load_checkpoint(str(path))
+        """Load on every rank; returns ``extra`` (version and step count come from the file)."""
+        extra, self.version, self.steps = self._all("load_checkpoint", str(path))[0]
         return extra
 
     def shutdown(self) -> None:
-        self.group.shutdown()
+        """Stop the ranks and free their placement group (it outlives the actor that made it)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._all("close")
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)

@@ -7,6 +7,7 @@ Dataflow inside one RL iteration (every mode uses the same three calls)::
     groups of Prepared --------------train_step()--> one optimizer step (micro-batched by a
                                                   token budget, gradients accumulated)
     trainer.policy_state() --------------------------> weights for the engines (version + 1)
+    trainer.publish() -------------------------------> the same, flattened into the object store
 
 Decisions the papers leave open, and ours:
 - *Old-policy log-probs* are the engine's sampled-token log-probs (weights W_i, temperature
@@ -123,6 +124,26 @@ def micro_batches(items: list[Prepared], token_budget: int) -> list[list[Prepare
     return out
 
 
+def to_prepared(s: Sample) -> Prepared:
+    """The model-free part of preparing a sample: tokens, old log-probs, reward, version."""
+    c = s.completion
+    if len(c.logprobs) != len(c.output_ids):
+        raise ValueError(f"sample {c.request_id}: {len(c.logprobs)} logprobs for {len(c.output_ids)} tokens")
+    if not c.output_ids:
+        raise ValueError(f"sample {c.request_id} has an empty response")
+    return Prepared(input_ids=list(c.prompt_ids) + list(c.output_ids), resp_start=len(c.prompt_ids),
+                    old_logprobs=list(c.logprobs), reward=s.reward, version=c.version_start,
+                    prompt_id=s.prompt.prompt_id, meta={"request_id": c.request_id})
+
+
+def set_group_advantages(groups: list[list[Prepared]]) -> None:
+    """GRPO: each sample's advantage is its reward normalised within its group."""
+    adv = losses.grpo_advantages([[p.reward for p in g] for g in groups])
+    flat = [p for g in groups for p in g]
+    for p, a in zip(flat, adv.tolist()):
+        p.advantages = [a] * p.num_response_tokens
+
+
 class Trainer:
     """Holds the policy, optimizer, and (when configured) reference and critic."""
 
@@ -165,7 +186,7 @@ class Trainer:
         into micro-batches of ``micro_batch_tokens`` padded tokens, so a call with many short
         groups costs a few batched passes instead of one small pass per group, and a long sample
         does not pad the short ones."""
-        out = [[self._to_prepared(s) for s in g] for g in groups]
+        out = [[to_prepared(s) for s in g] for g in groups]
         if self.ref is None and self.critic is None:
             return out
         if self.critic is not None and self.critic_old is None:
@@ -196,23 +217,7 @@ class Trainer:
                 sl = slice(p.resp_start - 1, p.num_tokens - 1)
                 p.old_values, p.advantages, p.returns = values[i, sl].tolist(), adv[i, sl].tolist(), ret[i, sl].tolist()
 
-    def _to_prepared(self, s: Sample) -> Prepared:
-        c = s.completion
-        if len(c.logprobs) != len(c.output_ids):
-            raise ValueError(f"sample {c.request_id}: {len(c.logprobs)} logprobs for {len(c.output_ids)} tokens")
-        if not c.output_ids:
-            raise ValueError(f"sample {c.request_id} has an empty response")
-        return Prepared(input_ids=list(c.prompt_ids) + list(c.output_ids), resp_start=len(c.prompt_ids),
-                        old_logprobs=list(c.logprobs), reward=s.reward, version=c.version_start,
-                        prompt_id=s.prompt.prompt_id, meta={"request_id": c.request_id})
-
-    @staticmethod
-    def set_group_advantages(groups: list[list[Prepared]]) -> None:
-        """GRPO: each sample's advantage is its reward normalised within its group."""
-        adv = losses.grpo_advantages([[p.reward for p in g] for g in groups])
-        flat = [p for g in groups for p in g]
-        for p, a in zip(flat, adv.tolist()):
-            p.advantages = [a] * p.num_response_tokens
+    set_group_advantages = staticmethod(set_group_advantages)
 
     # ----------------------------------------------------------------------- one optimizer step
     def train_step(self, items: list[Prepared]) -> dict[str, float]:
@@ -284,6 +289,22 @@ class Trainer:
     # ------------------------------------------------------------------------------ weights, state
     def policy_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def publish(self):
+        """The current policy flattened into one buffer and put in the Ray object store
+        (``streamrl.weights``); returns its ``WeightHandle``. Needs Ray initialised."""
+        from streamrl.weights.flat import flatten
+        from streamrl.weights.transfer import RayObjectStoreTransport
+
+        return RayObjectStoreTransport().publish(flatten(self.model.state_dict(), self.version))
+
+    def parameters_vector(self) -> np.ndarray:
+        """Every parameter flattened and concatenated in ``parameters()`` order (tests compare
+        backends with it)."""
+        return torch.cat([p.detach().flatten() for p in self.model.parameters()]).numpy()
+
+    def shutdown(self) -> None:
+        """Nothing to release: the policy lives in this process (``FSDPTrainerGroup`` has ranks)."""
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> None:
         path = Path(path)
