@@ -74,7 +74,7 @@ class StreamGenerationService:
                  plan: PlacementPlan | None = None) -> None:
         g = cfg.generation
         self.cfg = cfg
-        self.plan = plan if plan is not None else plan_placement(cfg)  # computed once; handed down by the driver
+        self.plan = plan  # the driver's placement plan; only GPU placement reads it
         self.policy_path = policy_path or cfg.policy.path
         self.latency: LatencyModel = load_profile(g.latency_profile) if g.latency_profile else H800_QWEN7B_VLLM
         self.dispatch_name = dispatch or g.dispatch
@@ -149,6 +149,8 @@ class StreamGenerationService:
         g = self.cfg.generation
         if self.cfg.placement.device != "cuda":
             return {"num_cpus": g.threads_per_instance, "resources": dict(g.resources)}
+        if self.plan is None:
+            self.plan = plan_placement(self.cfg)
         planned = self.plan.generation
         bundle = planned[min(index, len(planned) - 1)].resources
         labels = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
