@@ -43,8 +43,12 @@ class ClusterConfig(_Section):
 
 
 class PolicyConfig(_Section):
-    path: str = Field(".cache/tiny-policy", description="checkpoint directory (HF format)")
-    make_if_missing: bool = True
+    path: str = Field(".cache/tiny-policy", description="a local Hugging Face causal-LM checkpoint directory, or "
+                      "a hub id already in the local Hugging Face cache (resolved offline)")
+    make_if_missing: bool = Field(True, description="build the tiny policy when policy.path is a missing "
+                                  "directory named tiny-policy* (its cache); any other missing path is an error")
+    save_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="dtype of the final policy "
+                                                               "checkpoint; auto = bfloat16 on cuda, float32 on cpu")
     # Tiny-policy architecture (used by `streamrl make-policy`).
     hidden_size: int = Field(128, ge=16)
     num_layers: int = Field(4, ge=1)
@@ -68,16 +72,64 @@ class PolicyConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["synthetic", "gsm8k", "math500", "jsonl"] = "synthetic"
-    path: str | None = Field(None, description="data file for math tasks (jsonl or parquet)")
-    num_train: int = Field(4096, ge=1)
-    num_eval: int = Field(256, ge=1)
-    reward_timeout_s: float = Field(5.0, gt=0)
-    on_reward_error: Literal["zero", "raise"] = "zero"
+    """Where prompts come from and how a response is scored.
+
+    ``synthetic`` is generated here; ``file`` reads your data (jsonl, parquet, csv, or a local
+    ``datasets`` directory); ``gsm8k`` and ``math500`` are presets of ``file`` (their keys,
+    template and extractor filled in, their files looked up in the data directory)."""
+
+    name: Literal["synthetic", "file", "gsm8k", "math500"] = Field(
+        "synthetic", description="synthetic | file (your data) | gsm8k | math500 (presets of file)")
+    train_path: str | None = Field(None, description="training data: .jsonl, .parquet, .csv or a `datasets` "
+                                   "save_to_disk directory; presets default to their file in the data directory")
+    eval_path: str | None = Field(None, description="held-out data (same formats); None = num_eval rows cut "
+                                  "from train_path by seed")
+    train_split: str = Field("train", description="split read from a DatasetDict directory for training")
+    eval_split: str = Field("test", description="split read from a DatasetDict directory for evaluation")
+    prompt_key: str | None = Field(None, description="column holding the prompt (file: 'prompt'; gsm8k: "
+                                   "'question'; math500: 'problem')")
+    answer_key: str | None = Field(None, description="column holding the reference answer (default 'answer')")
+    prompt_template: str | None = Field(None, description="text around the prompt, with a {prompt} placeholder "
+                                        "(other columns as {name}); None = the prompt as is (math presets: "
+                                        "a step-by-step instruction)")
+    answer_extractor: Literal["gsm8k", "boxed", "raw"] | None = Field(
+        None, description="how the reference answer is read from answer_key: gsm8k (after '####'), boxed "
+                          "(last \\boxed{}), raw (as is); None = the preset's, raw for file")
+    chat_template: str = Field("auto", description="auto (the tokenizer's chat template when it has one) | none "
+                               "| a Jinja template file")
+    system_prompt: str | None = Field(None, description="system message when a chat template is applied")
+    reward: str | list[str] | None = Field(None, description="reward function(s) by path: 'package.module:fn' or "
+                                           "'/path/to/file.py:fn'; called as fn(response, answer, prompt, "
+                                           "metadata) -> float or dict; None = the task's verifier")
+    reward_weights: list[float] | None = Field(None, description="one weight per task.reward function "
+                                               "(default 1.0 each); the reward is their weighted sum")
+    num_train: int = Field(4096, ge=1, description="at most this many training prompts")
+    num_eval: int = Field(256, ge=1, description="held-out prompts")
+    reward_timeout_s: float = Field(5.0, gt=0, description="a reward call taking longer scores as an error")
+    on_reward_error: Literal["zero", "raise"] = Field("zero", description="zero = score 0.0, count it and flag "
+                                                      "the sample; raise = stop the run")
     on_bad_row: Literal["skip", "raise"] = Field("skip", description="skip = count and log the row, never silently")
     max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are rejected with a counted error")
     partial_credit: float = Field(0.0, ge=0, lt=1, description="synthetic task: credit for a correct chain prefix "
                                   "(exact solutions score 1.0, accuracy counts only those)")
+
+    @model_validator(mode="after")
+    def _rewards_fit(self) -> "TaskConfig":
+        specs = reward_specs(self)
+        if self.reward_weights is not None and len(self.reward_weights) != len(specs):
+            raise ValueError(f"task.reward_weights={self.reward_weights} has {len(self.reward_weights)} weights "
+                             f"for {len(specs)} task.reward functions")
+        if self.name == "file" and self.train_path is None:
+            raise ValueError("task.name='file' needs task.train_path (a .jsonl, .parquet, .csv file or a "
+                             "`datasets` directory)")
+        return self
+
+
+def reward_specs(task: "TaskConfig") -> list[str]:
+    """``task.reward`` as a list (empty: the task's own verifier)."""
+    if task.reward is None:
+        return []
+    return [task.reward] if isinstance(task.reward, str) else list(task.reward)
 
 
 class GenerationConfig(_Section):
@@ -186,9 +238,17 @@ class PlacementConfig(_Section):
     cpus_per_gpu: int = Field(4, ge=1, description="CPUs reserved beside each GPU worker")
 
 
+LOGGING_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
 class LoggingConfig(_Section):
-    tensorboard: bool = True
-    jsonl: bool = True
+    backends: list[Literal[LOGGING_BACKENDS]] = Field(
+        ["console", "jsonl", "tensorboard"], description="where metrics go: console | jsonl "
+        "(out_dir/metrics.jsonl) | tensorboard (out_dir/tensorboard) | wandb (offline unless WANDB_MODE says "
+        "otherwise; pip install wandb) | mlflow (file store out_dir/mlruns unless MLFLOW_TRACKING_URI; pip "
+        "install mlflow)")
+    project: str = Field("streamrl", description="wandb project / mlflow experiment name")
+    run_name: str | None = Field(None, description="wandb / mlflow run name; None = out_dir's name")
     samples: bool = Field(False, description="write every trained sample (prompt, response, length, reward, "
                           "versions) to run.out_dir/samples.jsonl: the rollout log, and `rank eval` records")
 

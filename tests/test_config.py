@@ -16,10 +16,10 @@ def test_every_shipped_config_loads(path):
 
 
 def test_dotted_override_changes_value_and_parses_yaml_types():
-    cfg = load_config(None, ["trainer.lr=3e-4", "mode=stream-sync", "logging.tensorboard=false"])
+    cfg = load_config(None, ["trainer.lr=3e-4", "mode=stream-sync", "logging.backends=[console,jsonl]"])
     assert cfg.trainer.lr == pytest.approx(3e-4)
     assert cfg.mode == "stream-sync"
-    assert cfg.logging.tensorboard is False
+    assert cfg.logging.backends == ["console", "jsonl"]
 
 
 def test_unknown_key_is_named():

@@ -20,7 +20,7 @@ from streamrl.trainer.trainer import Prepared, Trainer
 
 def _cfg(policy_dir):
     return load_config(None, [f"policy.path={policy_dir}", "trainer.lr=1e-2", "trainer.micro_batch_tokens=64",
-                              "trainer.grad_clip=1000", "logging.tensorboard=false"])
+                              "trainer.grad_clip=1000", "logging.backends=[console,jsonl]"])
 
 
 def _items(trainer: Trainer, n: int, seed: int = 0) -> list[Prepared]:

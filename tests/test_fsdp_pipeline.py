@@ -24,7 +24,7 @@ FSDP = ["trainer.backend=fsdp", "trainer.fsdp_ranks=2", "trainer.fsdp_rank_cpus=
 
 def _cfg(policy_dir, *overrides):
     return load_config(None, [f"policy.path={policy_dir}", "generation.max_new_tokens=16", "generation.n_samples=2",
-                              "generation.prompts_per_iter=4", "task.num_eval=4", "logging.tensorboard=false",
+                              "generation.prompts_per_iter=4", "task.num_eval=4", "logging.backends=[console,jsonl]",
                               *overrides])
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from streamrl.config import TaskConfig
 from streamrl.tasks.base import default_data_dir
-from streamrl.tasks.math import DataError, MathTask, extract_final_answer, load_math_items, math_reward
+from streamrl.tasks.math import DataError, MathTask, RowSpec, extract_final_answer, load_math_items, math_reward
 from streamrl.types import Prompt
 
 GARBAGE = [
@@ -193,9 +193,41 @@ def test_empty_or_all_bad_or_missing_file_raises_naming_file(tmp_path: Path) -> 
         load_math_items(all_bad)
     with pytest.raises(DataError, match="does not exist"):
         load_math_items(tmp_path / "nope.jsonl")
-    with pytest.raises(DataError, match="unsupported file type '.csv'"):
-        (tmp_path / "x.csv").write_text("a,b\n")
-        load_math_items(tmp_path / "x.csv")
+    with pytest.raises(DataError, match="unsupported file type '.txt'"):
+        (tmp_path / "x.txt").write_text("a,b\n")
+        load_math_items(tmp_path / "x.txt")
+
+
+def test_custom_columns_from_csv_datasets_dir_and_separate_eval_file(tmp_path: Path) -> None:
+    rows = [{"query": f"What is {i} + {i}?", "target": str(2 * i), "topic": "add"} for i in range(12)]
+    csv_path = tmp_path / "train.csv"
+    csv_path.write_text("query,target,topic\n" + "".join(f'"{r["query"]}",{r["target"]},{r["topic"]}\n' for r in rows)
+                        + '"broken row",1,add,extra\n')
+    datasets = pytest.importorskip("datasets")
+    ds_dir = tmp_path / "eval_ds"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[:4])}).save_to_disk(str(ds_dir))
+    cfg = TaskConfig(name="file", train_path=str(csv_path), eval_path=str(ds_dir), prompt_key="query",
+                     answer_key="target", prompt_template="[{topic}] {prompt}", num_train=8, num_eval=3)
+    task = MathTask.from_config(cfg, seed=1)
+    train, held = task.train_prompts(), task.eval_prompts()
+    assert len(train) == 8 and len(held) == 3
+    assert all(p.text.startswith("[add] What is ") for p in train + held)
+    assert {p.answer for p in held} <= {"0", "2", "4", "6"}
+    assert train[0].meta["topic"] == "add"
+    report = task.load_report()
+    assert report.rows_read == 13 and report.rows_kept == 12  # the over-long csv row is skipped, named
+    with pytest.raises(DataError, match="split 'validation' not in the DatasetDict"):
+        MathTask.from_config(cfg.model_copy(update={"eval_split": "validation"}))
+
+
+def test_template_naming_a_missing_column_rejects_the_row_naming_the_column(tmp_path: Path) -> None:
+    lines = [json.dumps({"prompt": f"p{i}", "answer": "1", **({"ctx": "c"} if i else {})}) for i in range(6)]
+    path = write_jsonl(tmp_path / "t.jsonl", lines)
+    task = MathTask(path, name="file", fmt=RowSpec(), template="{ctx}: {prompt}", num_train=4, num_eval=1)
+    assert task.load_report().rows_kept == 5
+    assert [row.line for row in task.load_report().skipped] == [1]
+    assert "names {ctx}" in task.load_report().skipped[0].reason
+    assert all(p.text.startswith("c: p") for p in task.train_prompts() + task.eval_prompts())
 
 
 def test_math500_rows_fall_back_to_boxed_solution_and_auto_detects_format(tmp_path: Path) -> None:
@@ -233,5 +265,6 @@ def test_from_config_reads_default_shared_file() -> None:
     task = MathTask.from_config(TaskConfig(name="gsm8k", num_train=50, num_eval=5), seed=3)
     assert task.name == "gsm8k" and len(task.train_prompts()) == 50 and len(task.eval_prompts()) == 5
     assert task.load_report().rows_read == 1319
-    named = MathTask.from_config(TaskConfig(name="jsonl", path="math500_test.jsonl", num_train=5, num_eval=5))
-    assert named.eval_prompts()[0].meta["format"] == "math500"
+    named = MathTask.from_config(TaskConfig(name="file", train_path="math500_test.jsonl", prompt_key="problem",
+                                               num_train=5, num_eval=5))
+    assert "subject" in named.eval_prompts()[0].meta and "Problem:" not in named.eval_prompts()[0].text

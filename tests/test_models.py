@@ -35,8 +35,15 @@ def test_policy_saves_and_reloads_bit_identical(tmp_path):
 def test_missing_policy_dir_fails_clearly(tmp_path):
     import pytest
 
-    with pytest.raises(FileNotFoundError, match="make-policy"):
+    with pytest.raises(FileNotFoundError, match=r"policy.path=.*nope' does not exist$"):
         load_policy(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="built by `streamrl make-policy`"):
+        load_policy(tmp_path / "tiny-policy-x")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="directory without config.json"):
+        load_policy(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        load_policy("no-such-org/no-such-model-xyz")
 
 
 def test_a_policy_built_for_another_synthetic_task_version_is_stale(tmp_path):

@@ -83,12 +83,14 @@ def test_train_dry_run_prints_the_plan_without_starting_anything(tmp_path, capsy
     from streamrl.cli import main
 
     out = tmp_path / "plan.json"
-    assert main(["train", str(CONFIGS / "gpu-hetero-qwen2.5-1.5b-gsm8k.yaml"), "--dry-run", "--out", str(out)]) == 0
+    # the checkpoint lives on the GPU cluster, not here: the plan prints, and the exit says what is missing
+    assert main(["train", str(CONFIGS / "gpu-hetero-qwen2.5-1.5b-gsm8k.yaml"), "--dry-run", "--out", str(out)]) == 2
     text = capsys.readouterr().out
+    assert "missing input(s): policy.path" in text
     assert "trainer-rank-7" in text and "gen-15" in text and "H20-1" in text
     report = json.loads(out.read_text())
     assert report["trainer_ranks"] == 8 and report["generation_instances"] == 16
-    assert report["policy_present"] is False  # the checkpoint lives on the GPU cluster, not here
+    assert report["policy_present"] is False
 
 
 def test_a_live_gpu_run_checks_its_plan_before_starting_anything(capsys, tmp_path):

@@ -357,7 +357,7 @@ def test_the_sgs_feeds_the_ranker_responses_and_policies_and_dispatches_on_the_r
     from streamrl.weights.transfer import RayObjectStoreTransport
 
     cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "generation.max_new_tokens=30", "generation.n_samples=3",
-                             "task.num_eval=4", "logging.tensorboard=false", "generation.dispatch=skewness-aware",
+                             "task.num_eval=4", "logging.backends=[console,jsonl]", "generation.dispatch=skewness-aware",
                              "ranker.name=reweighted", "ranker.kwargs={prior: null, beta: 1.0, estimator: sequence}"])
     prompts = make_task(cfg).train_prompts()[:6]
     model, tok = load_policy(tiny_policy_dir)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # every test builds the tiny policy, a Trainer, o
 def _cfg(policy_dir, *overrides):
     return load_config(None, [f"policy.path={policy_dir}", "generation.max_new_tokens=24",
                               "generation.n_samples=2", "generation.prompts_per_iter=6",
-                              "task.num_eval=4", "logging.tensorboard=false", *overrides])
+                              "task.num_eval=4", "logging.backends=[console,jsonl]", *overrides])
 
 
 PAIRS = [("D 23,2,10:", "21 19 17 15 13 11 =11"), ("D 23,2,10:", "21 19 =19"), ("S 4819:", "4 12 13 22 =22"),

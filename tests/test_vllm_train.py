@@ -60,7 +60,7 @@ def test_stream_async_run_with_two_vllm_instances(ray_three_cpus, vllm_policy_di
         f"policy.path={vllm_policy_dir}", f"run.out_dir={out}", "mode=stream-async", "generation.engine=vllm",
         "generation.num_instances=2", "generation.max_new_tokens=32", "generation.n_samples=4",
         "generation.prompts_per_iter=6", "task.num_eval=8", "run.eval_samples=1", "cluster.num_cpus=3",
-        "logging.tensorboard=false", f"run.iterations={iterations}", "trainer.lr=1e-3"])
+        "logging.backends=[console,jsonl]", f"run.iterations={iterations}", "trainer.lr=1e-3"])
     lines: list[str] = []
     summary = train(cfg, echo=lines.append)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -54,10 +54,17 @@ def _dry_run(cfg, args) -> int:
 
     report = dry_run(cfg)
     print(format_plan(plan_placement(cfg)))
-    for key in ("mode", "engine", "policy", "policy_present", "task_file", "task_file_present"):
+    for key in ("mode", "engine", "policy", "policy_present", "task_file", "task_file_present",
+                "eval_file", "eval_file_present"):
         if key in report:
             print(f"  {key}: {report[key]}")
     write_json(args.out, report)
+    missing = [name for name, ok in (("policy.path", report["policy_present"]),
+                                     ("task.train_path", report.get("task_file_present", True)),
+                                     ("task.eval_path", report.get("eval_file_present", True))) if not ok]
+    if missing:
+        print(f"dry run: missing input(s): {', '.join(missing)}")
+        return 2
     return 0
 
 
@@ -66,11 +73,17 @@ def dry_run(cfg) -> dict[str, Any]:
     (checked for presence here, not loaded: no torch, no Ray, no GPU)."""
     from streamrl.placement import plan_placement
 
+    from streamrl.models.hf import PolicyNotFound, is_tiny_policy_path, resolve_policy_path
+
     plan = plan_placement(cfg)
-    policy = Path(cfg.policy.path)
+    policy: Path | str = Path(cfg.policy.path)
+    try:
+        policy, present = resolve_policy_path(policy), True
+    except PolicyNotFound:  # the tiny policy is built at its cache path on the first real run
+        present = cfg.policy.make_if_missing and is_tiny_policy_path(policy)
     report: dict[str, Any] = {
         "mode": cfg.mode, "engine": cfg.generation.engine, "device": cfg.placement.device,
-        "policy": str(policy), "policy_present": (policy / "config.json").is_file(),
+        "policy": str(policy), "policy_present": bool(present),
         "trainer_ranks": len(plan.trainer), "generation_instances": len(plan.generation),
         "gpus_by_type": plan.gpus_used(), "trainer_strategy": plan.trainer_strategy,
         "plan": [{"role": b.role, "node": b.node, "gpus": list(b.gpus), "resources": b.resources}
@@ -80,8 +93,11 @@ def dry_run(cfg) -> dict[str, Any]:
         from streamrl.tasks.math import DataError, resolve_data_path
 
         try:
-            path = resolve_data_path(cfg.task.path, cfg.task.name)
-            report["task_file"], report["task_file_present"] = str(path), path.is_file()
+            path = resolve_data_path(cfg.task.train_path, cfg.task.name)
+            report["task_file"], report["task_file_present"] = str(path), path.exists()
         except DataError as exc:
             report["task_file"], report["task_file_present"] = f"unresolved: {exc}", False
+        if cfg.task.eval_path:
+            path = resolve_data_path(cfg.task.eval_path, cfg.task.name, role="eval")
+            report["eval_file"], report["eval_file_present"] = str(path), path.exists()
     return report

@@ -61,13 +61,15 @@ class PromptStream:
 
 
 class RequestBuilder:
-    """Tokenises prompts into ``GenRequest``s: ``n`` per prompt (a GRPO group). A prompt longer
-    than ``task.max_prompt_tokens`` is not sent; it is counted and logged (``data/oversized``)."""
+    """Tokenises prompts into ``GenRequest``s: ``n`` per prompt (a GRPO group), rendered with the
+    policy's chat template where it has one. A prompt longer than ``task.max_prompt_tokens`` is not
+    sent; it is counted and logged (``data/oversized``)."""
 
     def __init__(self, tokenizer, cfg: Config) -> None:
-        from streamrl.models.tiny import encode_prompt
+        from streamrl.models.hf import PromptFormatter
 
-        self._encode = lambda text: encode_prompt(tokenizer, text)
+        self.formatter = PromptFormatter(tokenizer, cfg.task.chat_template, cfg.task.system_prompt)
+        self._encode = self.formatter.encode
         self.n = cfg.generation.n_samples
         self.max_new_tokens = cfg.generation.max_new_tokens
         self.max_prompt_tokens = cfg.task.max_prompt_tokens

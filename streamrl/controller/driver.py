@@ -48,9 +48,11 @@ def init_ray(cfg: Config) -> None:
 
 
 def ensure_policy(cfg: Config, echo=print) -> None:
-    """Build the tiny policy (tokenizer, model, SFT warm start) if it is not on disk yet, or if the
-    one on disk was built by streamrl for an older version of the synthetic task (its
-    ``streamrl_policy.json`` says so). A checkpoint without that file is the user's: used as is."""
+    """Build the tiny policy (tokenizer, model, SFT warm start) at its cache path if it is not on
+    disk yet, or if the one there was built for an older version of the synthetic task (its
+    ``streamrl_policy.json`` says so). Any other path must hold a checkpoint (or be a cached hub
+    id): a mistyped path fails here, naming it, instead of training a tiny model there."""
+    from streamrl.models.hf import is_tiny_policy_path, resolve_policy_path
     from streamrl.models.sft import POLICY_MARKER, policy_is_stale
 
     path = Path(cfg.policy.path)
@@ -58,8 +60,9 @@ def ensure_policy(cfg: Config, echo=print) -> None:
         if not policy_is_stale(path):
             return
         echo(f"the policy at {path} was built for an older synthetic task ({POLICY_MARKER}); rebuilding it")
-    if not cfg.policy.make_if_missing:
-        raise FileNotFoundError(f"policy.path={cfg.policy.path!r} holds no checkpoint and policy.make_if_missing is false")
+    elif not (cfg.policy.make_if_missing and is_tiny_policy_path(path)):
+        resolve_policy_path(path)  # a hub id in the local cache passes; anything else raises naming the path
+        return
     from streamrl.models.sft import make_policy
 
     echo(f"building the tiny policy at {cfg.policy.path} (tokenizer, model, supervised warm start)")
@@ -122,7 +125,7 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
     _, tokenizer = load_policy(cfg.policy.path)
     ctx = RunContext(cfg, task, tokenizer)
     stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
-    logger = MetricsLogger(out, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, echo=echo)
+    logger = MetricsLogger(out, backends=cfg.logging.backends, echo=echo, config=cfg)
     pipeline = make_pipeline(cfg, ctx, plan)
     start = 0
     ckpt = out / "checkpoint"

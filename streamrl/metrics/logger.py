@@ -36,12 +36,15 @@ def console_line(step: int, metrics: dict[str, Any]) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: str | Path, jsonl: bool = True, tensorboard: bool = True, echo=print) -> None:
+    def __init__(self, out_dir: str | Path, backends=("console", "jsonl", "tensorboard"), echo=print,
+                 config=None) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.out_dir / "metrics.jsonl", "a") if jsonl else None
+        self._jsonl = open(self.out_dir / "metrics.jsonl", "a") if "jsonl" in backends else None
         self._tb = None
-        if tensorboard:
+        if "console" not in backends:
+            echo = None
+        if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))

@@ -79,22 +79,40 @@ def save_policy(model, tokenizer, path: str | Path) -> None:
 
 
 def load_policy(path: str | Path, dtype=None):
-    """Load ``(model, tokenizer)`` from a checkpoint directory, offline."""
+    """Load ``(model, tokenizer)`` from a checkpoint directory (or a cached hub id), offline."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no policy checkpoint at {str(path)!r} (run `streamrl make-policy`)")
-    # Not AutoTokenizer: for a qwen2 config it builds Qwen2Tokenizer, whose own pre-tokenizer
-    # drops our character split (spaces vanish). The tokenizer.json itself is standard.
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    from streamrl.models.hf import resolve_policy_path
+
+    path = resolve_policy_path(path)
+    if _generic_tokenizer(path):
+        # A tokenizer saved as the generic class (the tiny policy's, or one trained with `tokenizers`):
+        # its tokenizer.json is the whole truth. AutoTokenizer would build the model type's own class
+        # (Qwen2Tokenizer for a qwen2 config), whose pre-tokenizer drops a character split's spaces.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:  # many causal LMs ship without one; padding never reaches the loss
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     return model, tokenizer
 
 
+def _generic_tokenizer(path: Path) -> bool:
+    import json
+
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return False
+    return cls in ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    return [tokenizer.bos_token_id] + tokenizer.encode(text, add_special_tokens=False)
+    """Raw prompt ids: BOS (only where the tokenizer has one) + the text, no chat template."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return ([tokenizer.bos_token_id] + ids) if tokenizer.bos_token_id is not None else ids

@@ -25,6 +25,7 @@ sympy on first parse) is imported on first use only.
 from __future__ import annotations
 
 import functools
+import logging
 import json
 import random
 import re
@@ -34,6 +35,8 @@ from typing import Any, Callable, Iterator, Literal
 
 from streamrl.tasks.base import LoadReport, Task, default_data_dir
 from streamrl.types import Prompt
+
+log = logging.getLogger(__name__)
 
 Format = Literal["gsm8k", "math500", "auto"]
 FORMATS = ("gsm8k", "math500", "auto")
@@ -55,6 +58,15 @@ class DataError(ValueError):
 
 
 @dataclass(frozen=True)
+class RowSpec:
+    """Which columns hold the prompt and the reference answer, and how the answer is read."""
+
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    extractor: Literal["gsm8k", "boxed", "raw"] = "raw"
+
+
+@dataclass(frozen=True)
 class MathItem:
     """One validated row."""
 
@@ -67,15 +79,52 @@ class MathItem:
 # ----------------------------------------------------------------------------- reading rows
 
 
-def read_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    """Yield ``(line, row)`` for each row, or ``(line, reason)`` for a row that cannot be decoded."""
+def read_rows(path: Path, split: str = "train") -> Iterator[tuple[int, dict[str, Any] | str]]:
+    """Yield ``(line, row)`` for each row, or ``(line, reason)`` for a row that cannot be decoded.
+    A directory is a ``datasets`` ``save_to_disk`` one (a DatasetDict gives its ``split``)."""
     suffix = path.suffix.lower()
-    if suffix == ".parquet":
+    if path.is_dir():
+        yield from _read_datasets_dir(path, split)
+    elif suffix == ".parquet":
         yield from _read_parquet(path)
     elif suffix in (".jsonl", ".json"):
         yield from _read_jsonl(path)
+    elif suffix == ".csv":
+        yield from _read_csv(path)
     else:
-        raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl or .parquet)")
+        raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl, .parquet, .csv or a "
+                        "`datasets` directory)")
+
+
+def _read_csv(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            for i, row in enumerate(csv.DictReader(f), start=2):  # line 1 is the header
+                if None in row:
+                    yield i, f"row has more fields than the header ({len(row) - 1 + len(row[None])})"
+                    continue
+                yield i, row
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: invalid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _read_datasets_dir(path: Path, split: str) -> Iterator[tuple[int, dict[str, Any] | str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: reading a `datasets` directory needs the datasets package") from None
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise DataError(f"{path}: not a `datasets` save_to_disk directory: {type(exc).__name__}: {exc}") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise DataError(f"{path}: split {split!r} not in the DatasetDict (splits: {sorted(data)})")
+        data = data[split]
+    for i, row in enumerate(data, start=1):
+        yield i, dict(row)
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
@@ -127,8 +176,30 @@ def _field(row: dict[str, Any], name: str) -> str:
     return value
 
 
-def _row_to_item(line: int, row: dict[str, Any], fmt: Format) -> MathItem:
+def _spec_item(line: int, row: dict[str, Any], spec: RowSpec) -> MathItem:
+    value = row.get(spec.answer_key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):  # numeric answers in csv/parquet
+        row = {**row, spec.answer_key: str(value)}
+    prompt, answer = _field(row, spec.prompt_key), _field(row, spec.answer_key)
+    if spec.extractor == "gsm8k":
+        match = _GSM8K_FINAL.search(answer)
+        if match is None:
+            raise ValueError(f"field {spec.answer_key!r} does not end in '#### <number>': {_short(answer[-80:])}")
+        answer = match.group(1).replace(",", "")
+    elif spec.extractor == "boxed":
+        boxed = last_boxed(answer)
+        if not boxed:
+            raise ValueError(f"field {spec.answer_key!r} has no \\boxed{{}} answer: {_short(answer[-80:])}")
+        answer = boxed
+    meta: dict[str, Any] = {k: v for k, v in row.items()
+                            if k not in (spec.prompt_key, spec.answer_key) and isinstance(v, (str, int, float, bool))}
+    return MathItem(line, prompt, answer.strip(), meta)
+
+
+def _row_to_item(line: int, row: dict[str, Any], fmt: "Format | RowSpec") -> MathItem:
     """Validate one row; raises ``ValueError`` with the reason (naming the field) if it is bad."""
+    if isinstance(fmt, RowSpec):
+        return _spec_item(line, row, fmt)
     if fmt == "auto":
         if "question" in row:
             fmt = "gsm8k"
@@ -158,32 +229,33 @@ def _row_to_item(line: int, row: dict[str, Any], fmt: Format) -> MathItem:
 
 def load_math_items(
     path: str | Path,
-    fmt: Format = "auto",
+    fmt: "Format | RowSpec" = "auto",
     on_bad_row: Literal["skip", "raise"] = "skip",
-    check_prompt: Callable[[str], str | None] | None = None,
+    check_prompt: Callable[[MathItem], str | None] | None = None,
+    split: str = "train",
 ) -> tuple[list[MathItem], LoadReport]:
     """Read and validate every row of ``path``.
 
-    ``check_prompt(problem)`` may return a reason to reject the row (e.g. too many tokens).
+    ``check_prompt(item)`` may return a reason to reject the row (e.g. too many tokens).
     Raises ``DataError`` for a missing/unreadable/empty file, for a bad row under
     ``on_bad_row="raise"``, and when no row is usable.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if not isinstance(fmt, RowSpec) and fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS} or a RowSpec, got {fmt!r}")
     if on_bad_row not in ("skip", "raise"):
         raise ValueError(f"on_bad_row must be 'skip' or 'raise', got {on_bad_row!r}")
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{path}: data file does not exist")
     report = LoadReport(str(path))
     items: list[MathItem] = []
-    for line, row in read_rows(path):
+    for line, row in read_rows(path, split):
         report.rows_read += 1
         try:
             if isinstance(row, str):
                 raise ValueError(row)
             item = _row_to_item(line, row, fmt)
-            reason = check_prompt(item.problem) if check_prompt else None
+            reason = check_prompt(item) if check_prompt else None
             if reason:
                 raise ValueError(reason)
         except ValueError as exc:
@@ -276,12 +348,26 @@ def math_reward(prompt: Prompt, response: str) -> float:
 # ----------------------------------------------------------------------------- the task
 
 
-def resolve_data_path(path: str | Path | None, name: str) -> Path:
-    """``path`` as given if it exists, else relative to ``default_data_dir()``; None -> the task's default file."""
+PRESETS: dict[str, tuple[Format, str]] = {"gsm8k": ("gsm8k", "gsm8k"), "math500": ("math500", "math500")}
+"""Preset -> (row format, file stem in the data directory: <stem>_train.jsonl, else <stem>_test.jsonl)."""
+
+
+def resolve_data_path(path: str | Path | None, name: str, role: str = "train") -> Path:
+    """``path`` as given if it exists, else relative to ``default_data_dir()``; None -> the preset's
+    file: ``<stem>_train.jsonl`` where the data directory has it, else ``<stem>_test.jsonl`` (with a
+    warning that training reads the test split)."""
     if path is None:
-        if name not in DEFAULT_FILES:
-            raise DataError(f"task {name!r} needs task.path (a .jsonl or .parquet file)")
-        return default_data_dir() / DEFAULT_FILES[name]
+        if name not in PRESETS:
+            raise DataError(f"task {name!r} needs task.train_path (a .jsonl, .parquet, .csv file or a "
+                            "`datasets` directory)")
+        stem = PRESETS[name][1]
+        train = default_data_dir() / f"{stem}_train.jsonl"
+        if train.is_file():
+            return train
+        if role == "train":
+            log.warning("task %s: no %s in %s; training and held-out prompts are cut from %s_test.jsonl "
+                        "(set task.train_path / task.eval_path)", name, train.name, default_data_dir(), stem)
+        return default_data_dir() / f"{stem}_test.jsonl"
     p = Path(path)
     if p.exists() or p.is_absolute():
         return p
@@ -289,14 +375,16 @@ def resolve_data_path(path: str | Path | None, name: str) -> Path:
 
 
 class MathTask(Task):
-    """Prompts from a GSM8K / MATH-500 style file, split by seed into disjoint eval and train sets."""
+    """Prompts from a data file with a reference answer per row (``task.name: file`` and its
+    presets gsm8k / math500). Held-out prompts come from ``eval_path`` when given, else ``num_eval``
+    rows are cut from the training file by seed (disjoint from the training rows)."""
 
     def __init__(
         self,
         path: str | Path,
         *,
         name: str = "math",
-        fmt: Format = "auto",
+        fmt: "Format | RowSpec" = "auto",
         num_train: int = 4096,
         num_eval: int = 256,
         seed: int = 0,
@@ -304,49 +392,82 @@ class MathTask(Task):
         template: str = DEFAULT_TEMPLATE,
         max_prompt_tokens: int | None = None,
         count_tokens: Callable[[str], int] | None = None,
+        eval_path: str | Path | None = None,
+        train_split: str = "train",
+        eval_split: str = "test",
     ):
-        if "{problem}" not in template:
-            raise ValueError(f"template must contain '{{problem}}', got {template!r}")
+        if "{problem}" not in template and "{prompt}" not in template:
+            raise ValueError(f"template must contain '{{prompt}}', got {template!r}")
         if num_train < 1 or num_eval < 1:
             raise ValueError(f"num_train and num_eval must be >= 1, got {num_train} and {num_eval}")
         self.name = name
         self.path = Path(path)
         self.template = template
 
-        def check_prompt(problem: str) -> str | None:
+        def check_prompt(item: MathItem) -> str | None:
+            text = self._render(item.problem, item.meta)  # a template column the row lacks rejects the row
             if count_tokens is None or max_prompt_tokens is None:
                 return None
-            n = count_tokens(template.format(problem=problem))
+            n = count_tokens(text)
             return f"prompt has {n} tokens > max_prompt_tokens={max_prompt_tokens}" if n > max_prompt_tokens else None
 
-        items, self._report = load_math_items(self.path, fmt, on_bad_row, check_prompt)
-        if num_eval >= len(items):
-            raise DataError(f"{self.path}: num_eval={num_eval} leaves no training rows ({len(items)} usable rows)")
+        items, self._report = load_math_items(self.path, fmt, on_bad_row, check_prompt, split=train_split)
         order = list(range(len(items)))
         random.Random(seed).shuffle(order)
+        if eval_path is not None:
+            eval_items, eval_report = load_math_items(eval_path, fmt, on_bad_row, check_prompt, split=eval_split)
+            self._eval_report: LoadReport | None = eval_report
+            self._eval = [self._prompt(it, "eval") for it in eval_items[:num_eval]]
+            self._train = [self._prompt(items[i]) for i in order[:num_train]]
+            return
+        self._eval_report = None
+        if num_eval >= len(items):
+            raise DataError(f"{self.path}: num_eval={num_eval} leaves no training rows ({len(items)} usable rows)")
         prompts = [self._prompt(items[i]) for i in order]
         self._eval = prompts[:num_eval]
         self._train = prompts[num_eval : num_eval + num_train]
 
     @classmethod
     def from_config(cls, cfg: Any, seed: int = 0, count_tokens: Callable[[str], int] | None = None) -> "MathTask":
-        """Build from a ``TaskConfig`` (name gsm8k | math500 | jsonl)."""
-        fmt: Format = cfg.name if cfg.name in ("gsm8k", "math500") else "auto"
+        """Build from a ``TaskConfig`` (name file | gsm8k | math500)."""
+        fmt: Format | RowSpec
+        if cfg.prompt_key or cfg.answer_key or cfg.answer_extractor or cfg.name not in PRESETS:
+            preset = {"gsm8k": RowSpec("question", "answer", "gsm8k"), "math500": RowSpec("problem", "answer", "raw")}
+            base = preset.get(cfg.name, RowSpec())
+            fmt = RowSpec(cfg.prompt_key or base.prompt_key, cfg.answer_key or base.answer_key,
+                          cfg.answer_extractor or base.extractor)
+        else:
+            fmt = PRESETS[cfg.name][0]
+        template = cfg.prompt_template or (DEFAULT_TEMPLATE if cfg.name in PRESETS else "{prompt}")
+        eval_path = resolve_data_path(cfg.eval_path, cfg.name, "eval") if cfg.eval_path else None
         return cls(
-            resolve_data_path(cfg.path, cfg.name),
+            resolve_data_path(cfg.train_path, cfg.name),
             name=cfg.name,
             fmt=fmt,
             num_train=cfg.num_train,
             num_eval=cfg.num_eval,
             seed=seed,
             on_bad_row=cfg.on_bad_row,
+            template=template,
             max_prompt_tokens=cfg.max_prompt_tokens,
             count_tokens=count_tokens,
+            eval_path=eval_path,
+            train_split=cfg.train_split,
+            eval_split=cfg.eval_split,
         )
 
-    def _prompt(self, item: MathItem) -> Prompt:
+    def _render(self, problem: str, meta: dict[str, Any]) -> str:
+        fields = {k: v for k, v in meta.items() if isinstance(v, str)}
+        try:
+            return self.template.format_map({**fields, "prompt": problem, "problem": problem})
+        except KeyError as exc:
+            raise ValueError(f"task.prompt_template names {{{exc.args[0]}}}, which the row does not have "
+                             f"(row has {sorted(fields)})") from None
+
+    def _prompt(self, item: MathItem, role: str = "") -> Prompt:
         meta = dict(item.meta, line=item.line, problem=item.problem)
-        return Prompt(f"{self.name}-{item.line:06d}", self.template.format(problem=item.problem), item.answer, meta)
+        tag = f"{self.name}-{role}" if role else self.name
+        return Prompt(f"{tag}-{item.line:06d}", self._render(item.problem, item.meta), item.answer, meta)
 
     def train_prompts(self) -> list[Prompt]:
         return list(self._train)

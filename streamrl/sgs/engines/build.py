@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 
 
 def engine_kwargs(cfg: "Config", tokenizer, threads: int, instance: str, seed: int) -> dict:
+    from streamrl.models.hf import stop_token_ids
+
     g = cfg.generation
-    kw = dict(temperature=g.temperature, top_p=g.top_p, eos_token_id=tokenizer.eos_token_id,
+    policy_dir = getattr(tokenizer, "name_or_path", None) or cfg.policy.path
+    kw = dict(temperature=g.temperature, top_p=g.top_p, eos_token_id=stop_token_ids(tokenizer, policy_dir),
               pad_token_id=tokenizer.pad_token_id, max_batch_tokens=g.max_batch_tokens,
               max_requests_per_batch=g.max_requests_per_batch, num_blocks=g.num_blocks, page_size=g.page_size,
               num_threads=threads, seed=seed, instance=instance)
