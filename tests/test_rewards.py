@@ -99,8 +99,11 @@ def test_options_are_validated_loudly() -> None:
         RewardRunner(exact_reward, on_error="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
         RewardRunner(exact_reward, timeout_s=0)
+    import threading
+
+    lock = threading.Lock()  # a lambda pickles by value now (cloudpickle); a lock held by one never does
     with pytest.raises(ValueError, match="not picklable"):
-        RewardRunner(lambda p, r: 1.0)
+        RewardRunner(lambda p, r: float(lock.locked()))
 
 
 def test_isolated_reward_that_raises_is_counted_zero_then_raised_in_raise_mode() -> None:

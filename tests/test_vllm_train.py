@@ -65,7 +65,7 @@ def test_stream_async_run_with_two_vllm_instances(ray_three_cpus, vllm_policy_di
     summary = train(cfg, echo=lines.append)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     per_iter = [r for r in records if "reward/mean" in r]
-    assert len(per_iter) == iterations and all(r["samples"] == 6 * 4 for r in per_iter)
+    assert len(per_iter) == iterations and all(r["batch/samples"] == 6 * 4 for r in per_iter)
     assert all(r["gen/tokens_per_s"] > 0 for r in per_iter)
     # One-step asynchrony: iteration i generates with weights >= W_{i-1}, never staler.
     assert all(r["staleness/max"] <= 1 for r in per_iter)

@@ -55,13 +55,14 @@ def _dry_run(cfg, args) -> int:
     report = dry_run(cfg)
     print(format_plan(plan_placement(cfg)))
     for key in ("mode", "engine", "policy", "policy_present", "task_file", "task_file_present",
-                "eval_file", "eval_file_present"):
+                "eval_file", "eval_file_present", "reward", "reward_present"):
         if key in report:
             print(f"  {key}: {report[key]}")
     write_json(args.out, report)
     missing = [name for name, ok in (("policy.path", report["policy_present"]),
                                      ("task.train_path", report.get("task_file_present", True)),
-                                     ("task.eval_path", report.get("eval_file_present", True))) if not ok]
+                                     ("task.eval_path", report.get("eval_file_present", True)),
+                                     ("task.reward", report.get("reward_present", True))) if not ok]
     if missing:
         print(f"dry run: missing input(s): {', '.join(missing)}")
         return 2
@@ -100,4 +101,14 @@ def dry_run(cfg) -> dict[str, Any]:
         if cfg.task.eval_path:
             path = resolve_data_path(cfg.task.eval_path, cfg.task.name, role="eval")
             report["eval_file"], report["eval_file_present"] = str(path), path.exists()
+    from streamrl.config import reward_specs
+
+    if reward_specs(cfg.task):
+        from streamrl.tasks.user_reward import RewardSpecError, UserReward
+
+        try:
+            UserReward(reward_specs(cfg.task), cfg.task.reward_weights).check()
+            report["reward"], report["reward_present"] = reward_specs(cfg.task), True
+        except RewardSpecError as exc:
+            report["reward"], report["reward_present"] = str(exc), False
     return report

@@ -83,14 +83,14 @@ def make_pipeline(cfg: Config, ctx: "RunContext", plan: PlacementPlan | None = N
 class RunContext:
     """What every pipeline needs from the driver: request building and scoring."""
 
-    def __init__(self, cfg: Config, task, tokenizer) -> None:
+    def __init__(self, cfg: Config, task, tokenizer, reward_fn=None) -> None:
         from streamrl.tasks.rewards import RewardRunner
 
         self.cfg = cfg
         self.task = task
         self.tokenizer = tokenizer
         self.builder = RequestBuilder(tokenizer, cfg)
-        self.reward_runner = RewardRunner.for_task(task, cfg.task)
+        self.reward_runner = RewardRunner.for_task(task, cfg.task, reward_fn=reward_fn)
         self.scorer = Scorer(task, tokenizer, self.reward_runner)
 
 
@@ -111,11 +111,31 @@ def evaluate(pipeline, ctx: RunContext, prompts, samples_per_prompt: int, tag: s
             **length_stats(lengths, "eval/resp_len")}
 
 
-def train(cfg: Config, echo=print) -> dict[str, Any]:
+def user_reward(cfg: Config, reward_fn=None):
+    """The run's ``UserReward`` (``task.reward`` specs, then ``reward_fn`` callables), imported
+    and signature-checked here so a typo fails before Ray starts; None = the task's verifier."""
+    from streamrl.config import reward_specs
+    from streamrl.tasks.user_reward import UserReward
+
+    specs = reward_specs(cfg.task)
+    fns = [] if reward_fn is None else (list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn])
+    if not specs and not fns:
+        return None
+    weights = cfg.task.reward_weights
+    if weights is not None and fns:
+        weights = list(weights) + [1.0] * len(fns)
+    return UserReward(specs, weights, fns).check()
+
+
+def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, Any]:
+    """One RL run as configured; ``reward_fn`` (a callable or a list, see ``tasks/user_reward.py``)
+    adds to or replaces the task's verifier; each callback is called as ``cb(iteration, metrics)``
+    after every iteration. Returns the summary (also written to ``run.out_dir/summary.json``)."""
     from streamrl.metrics.logger import MetricsLogger
     from streamrl.models.tiny import load_policy
 
     plan = plan_placement(cfg)  # once, before any work: an impossible plan fails here, naming the keys
+    reward = user_reward(cfg, reward_fn)
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
@@ -123,7 +143,7 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
     init_ray(cfg)
     task = make_task(cfg)
     _, tokenizer = load_policy(cfg.policy.path)
-    ctx = RunContext(cfg, task, tokenizer)
+    ctx = RunContext(cfg, task, tokenizer, reward)
     stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
     logger = MetricsLogger(out, backends=cfg.logging.backends, echo=echo, config=cfg)
     pipeline = make_pipeline(cfg, ctx, plan)
@@ -153,10 +173,12 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
         if sample_log is not None:
             sample_log.write(it, samples)
         metrics.update(_sample_metrics(samples))
-        metrics.update({f"reward/{k}": v for k, v in ctx.reward_runner.metrics().items()})
+        metrics.update(ctx.reward_runner.metrics())  # already reward/...
         if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
             metrics.update(evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, f"it{it}"))
         logger.log(it + 1, metrics)
+        for callback in callbacks:
+            callback(it, metrics)
         if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
             pipeline.save(str(ckpt), {"iteration": it, "stream": stream.state()})
             if cfg.run.keep_checkpoints:
@@ -174,10 +196,12 @@ def train(cfg: Config, echo=print) -> dict[str, Any]:
     after = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "after")
     logger.log(cfg.run.iterations + 1, after, echo=False)
     pipeline.save(str(ckpt), {"iteration": cfg.run.iterations - 1, "stream": stream.state()})
+    final = export_policy(ckpt / "policy", out / "policy", save_dtype(cfg))
+    echo(f"final policy: {final} (a Hugging Face checkpoint; AutoModelForCausalLM.from_pretrained loads it)")
     rewards = [h["reward/mean"] for h in logger.history if "reward/mean" in h]
     summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
                "rewards": rewards, "reward_trend": reward_trend(rewards),
-               "oversized_prompts": ctx.builder.oversized}
+               "oversized_prompts": ctx.builder.oversized, "final_policy": str(final)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pipeline.shutdown()
     if sample_log is not None:
@@ -200,12 +224,45 @@ def reward_trend(rewards: list[float]) -> dict[str, float]:
             "slope_per_iter": slope}
 
 
+def save_dtype(cfg: Config) -> str:
+    """``policy.save_dtype``, with auto = bfloat16 on GPU, float32 on CPU."""
+    if cfg.policy.save_dtype != "auto":
+        return cfg.policy.save_dtype
+    return "bfloat16" if cfg.placement.device == "cuda" else "float32"
+
+
+def export_policy(src: Path, dst: Path, dtype: str) -> Path:
+    """The trained policy as a standard checkpoint at ``dst`` (model, tokenizer with its chat
+    template, generation config) in ``dtype``; written beside, then moved into place."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if dtype == "float32":  # the trainer saves fp32 master weights
+        shutil.copytree(src, tmp)
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
+        model.save_pretrained(tmp)
+        for f in src.iterdir():
+            if not (tmp / f.name).exists() and f.is_file():
+                shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.replace(dst)
+    return dst
+
+
 def _sample_metrics(samples) -> dict[str, float]:
     lengths = [s.num_response_tokens for s in samples]
     rewards = [s.reward for s in samples]
-    m = {"reward/mean": float(np.mean(rewards)) if rewards else 0.0, "samples": len(samples),
+    m = {"reward/mean": float(np.mean(rewards)) if rewards else 0.0, "batch/samples": len(samples),
          "reward/accuracy": float(np.mean([r >= 1.0 for r in rewards])) if rewards else 0.0,
          "reward/errors_in_iter": sum(1 for s in samples if s.reward_info.get("error"))}
+    components: dict[str, list[float]] = {}
+    for smp in samples:
+        for name, value in smp.reward_info.get("components", {}).items():
+            components.setdefault(name, []).append(value)
+    m.update({f"reward/component/{k}": float(np.mean(v)) for k, v in components.items()})
     m.update(length_stats(lengths))
     m["resp_len/truncated_frac"] = float(np.mean([s.completion.finish_reason == "length" for s in samples])) if samples else 0.0
     return m

@@ -1,7 +1,8 @@
 """Run a reward function safely: per-call timeout, exception accounting, metrics.
 
 ``RewardRunner(fn, timeout_s=5.0, on_error="zero")`` turns any ``fn(prompt, response) -> float``
-into ``runner(prompt, response) -> (reward, info)``. A failed call (exception, timeout, worker
+(or a dict of named components, see ``normalize``) into ``runner(prompt, response) -> (reward,
+info)``; ``info["components"]`` holds the components. A failed call (exception, timeout, worker
 crash, non-finite or non-numeric value) is either counted, logged and scored 0.0 with
 ``info = {"error": "..."}`` (``on_error="zero"``), or raised as ``RewardError`` naming the prompt
 id and the cause (``on_error="raise"``). Counters come back from ``metrics()`` as
@@ -25,8 +26,8 @@ call ``math_verify`` with its own signal-based timeouts disabled). Workers are p
 no fork in a threaded host (Ray, torch), and unlike ``multiprocessing`` spawn no re-import of the
 parent's ``__main__``. Costs: one socket round trip per call (pickle prompt + response;
 ~0.1 ms), one interpreter start + imports per worker (~0.3-1 s, paid again after each timeout
-or crash, outside the timed call), and the reward function must be picklable (a module-level
-function or a bound method of a picklable object). Each worker runs one call at a time;
+or crash, outside the timed call), and the reward function must be picklable by cloudpickle
+(module-level functions travel by reference, ``__main__`` ones and closures by value). Each worker runs one call at a time;
 ``num_workers`` bounds the concurrency of callers sharing one runner. Workers are killed on
 ``close()``, when the runner is garbage-collected, and at interpreter exit; an orphaned worker
 exits as soon as it reads EOF from its parent.
@@ -60,6 +61,20 @@ class RewardError(RuntimeError):
     """A reward call failed and ``on_error="raise"``; the message names the prompt id and cause."""
 
 
+def normalize(value: Any) -> tuple[float, dict[str, float]]:
+    """A reward function's return value as ``(score, components)``: a number; a dict of named
+    components (its ``score`` entry, else their sum); or ``(score, components)`` already
+    (``UserReward``). Raises ``TypeError`` for anything else, which counts as a failed call."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        return float(value[0]), {str(k): float(v) for k, v in value[1].items()}
+    if isinstance(value, dict):
+        parts = {str(k): float(v) for k, v in value.items()}
+        return (parts["score"] if "score" in parts else sum(parts.values())), parts
+    if isinstance(value, (bool, str, bytes)) or value is None:
+        raise TypeError(f"reward is {type(value).__name__} {value!r}, not a number or a dict of numbers")
+    return float(value), {}
+
+
 def _worker_main(fd: int) -> None:
     """Worker process loop: load ``fn``, warm it up, then answer (prompt, response) jobs."""
     conn = Connection(fd)
@@ -84,8 +99,7 @@ def _worker_main(fd: int) -> None:
         if job is None:
             return
         try:
-            value = float(fn(*job))
-            conn.send(("ok", value))
+            conn.send(("ok", normalize(fn(*job))))
         except Exception as exc:
             tb = traceback.format_exc(limit=-3)
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{tb}"))
@@ -191,8 +205,10 @@ class RewardRunner:
         self._busy_s = 0.0
         if fast:
             return
-        try:
-            self._fn_blob = pickle.dumps(fn)
+        try:  # cloudpickle: a function from the user's own script or __main__ travels by value
+            import cloudpickle
+
+            self._fn_blob = cloudpickle.dumps(fn)
         except Exception as exc:
             raise ValueError(
                 f"reward function {fn!r} is not picklable ({type(exc).__name__}: {exc}); use a module-level "
@@ -210,18 +226,20 @@ class RewardRunner:
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 
     @classmethod
-    def for_task(cls, task: Any, cfg: Any, **kwargs: Any) -> "RewardRunner":
-        """A runner for ``task.reward`` configured from a ``TaskConfig`` (timeout, on_reward_error)."""
+    def for_task(cls, task: Any, cfg: Any, reward_fn: Any = None, **kwargs: Any) -> "RewardRunner":
+        """A runner for ``reward_fn`` (a ``UserReward``) or else ``task.reward``, configured from a
+        ``TaskConfig`` (timeout, on_reward_error). A user's reward always runs isolated."""
+        fast = reward_fn is None and getattr(task, "reward_is_fast", False)
         warmup = None
-        if not getattr(task, "reward_is_fast", False):
+        if not fast:
             evals = task.eval_prompts()
             warmup = (evals[0], f"\\boxed{{{evals[0].answer}}}") if evals else None
         kwargs.setdefault("warmup", warmup)
         return cls(
-            task.reward,
+            reward_fn if reward_fn is not None else task.reward,
             timeout_s=cfg.reward_timeout_s,
             on_error=cfg.on_reward_error,
-            fast=getattr(task, "reward_is_fast", False),
+            fast=fast,
             **kwargs,
         )
 
@@ -230,19 +248,20 @@ class RewardRunner:
         t0 = time.perf_counter()
         if self.fast:
             try:
-                outcome: tuple[str, Any] = ("ok", float(self.fn(prompt, response)))
+                outcome: tuple[str, Any] = ("ok", normalize(self.fn(prompt, response)))
             except Exception as exc:
                 outcome = ("error", f"{type(exc).__name__}: {exc}")
         else:
             outcome = self._call_isolated(prompt, response)
         kind, detail = outcome
-        if kind == "ok" and not math.isfinite(detail):
-            kind, detail = "error", f"reward is not finite: {detail!r}"
+        if kind == "ok" and not math.isfinite(detail[0]):
+            kind, detail = "error", f"reward is not finite: {detail[0]!r}"
         with self._lock:
             self._counts["calls"] += 1
             self._busy_s += time.perf_counter() - t0
             if kind == "ok":
-                return detail, {}
+                score, components = detail
+                return score, ({"components": components} if components else {})
             self._counts["errors"] += 1
             if kind == "timeout":
                 self._counts["timeouts"] += 1

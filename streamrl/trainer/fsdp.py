@@ -167,7 +167,7 @@ class FSDPRank:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.opt.step()
-        sums.update({"train/grad_norm": float(grad_norm), "train/tokens": sum(p.num_tokens for p in items),
+        sums.update({"train/lr": float(self.opt.param_groups[0]["lr"]), "train/grad_norm": float(grad_norm), "train/tokens": sum(p.num_tokens for p in items),
                      "train/samples": len(items), "train/rank_samples": len(mine[self.rank])})
         return sums
 
@@ -188,6 +188,7 @@ class FSDPRank:
         loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)
         loss.backward()
         metrics = {f"train/{k}": v for k, v in m.items()}
+        metrics["train/entropy"] = losses.masked_entropy(logits, mask, self.temperature)
         metrics["train/pg_loss"] = float(loss.detach()) * total_tokens / max(float(mask.sum()), 1.0)
         return metrics
 

@@ -35,6 +35,16 @@ def _check_shapes(**tensors: Tensor) -> None:
         raise ValueError(f"shape mismatch: {shapes}")
 
 
+def masked_entropy(logits: Tensor, mask: Tensor, temperature: float = 1.0) -> float:
+    """Mean per-token entropy (nats) of the sampling distribution ``softmax(logits / T)`` over the
+    masked positions; a diagnostic (no gradient): entropy collapse is the usual sign of an RL run
+    that has stopped exploring."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        return float(masked_mean(ent, mask))
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1 (over all of them, or along ``dim``).
 

@@ -240,7 +240,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.tcfg.grad_clip)
             self.critic_opt.step()
         self.steps += 1
-        sums.update({"train/grad_norm": float(grad_norm), "train/step_s": time.time() - t0,
+        sums.update({"train/lr": float(self.opt.param_groups[0]["lr"]), "train/grad_norm": float(grad_norm), "train/step_s": time.time() - t0,
                      "train/tokens": sum(p.num_tokens for p in items), "train/samples": len(items)})
         return sums
 
@@ -253,6 +253,7 @@ class Trainer:
         adv = _per_token(mb, "advantages", width)
         loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)
         metrics = {f"train/{k}": v for k, v in m.items()}
+        metrics["train/entropy"] = losses.masked_entropy(logits, mask, self.temperature)
         if self.ref is not None and self.tcfg.algo == "grpo":
             ref = _per_token(mb, "ref_logprobs", width)
             kl = losses.kl_penalty(logp, ref, mask, kind="k3")
