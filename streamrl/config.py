@@ -300,6 +300,24 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _string_field(key: str) -> bool | None:
+    """True if the dotted key names a plain-string field (``str`` or ``str | None``), whose value
+    an override takes verbatim: ``task.prompt_template=Q: {prompt}`` is text, not YAML."""
+    model: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        if i < len(parts) - 1:
+            model = ann
+            continue
+        args = set(getattr(ann, "__args__", ()) or ())
+        return ann is str or args == {str, type(None)}
+    return None
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
@@ -307,6 +325,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
+    if _string_field(key) and raw.strip() not in ("null", "~", "None"):
+        return key, raw
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:

@@ -47,3 +47,42 @@ def assert_moved_running_and_joined(sgs, requests, done, new_tokens):
         assert c.prompt_ids == by_id[c.request_id].prompt_ids
         assert len(c.output_ids) == len(c.logprobs) == new_tokens and c.finish_reason == "length"
         assert all(lp <= 0.0 for lp in c.logprobs) and c.t_start <= c.t_end
+
+
+QWEN_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_qwen2_bpe_checkpoint(path, corpus: list[str], hidden_size: int = 64, vocab_size: int = 400):
+    """A small Qwen2.5-style checkpoint built here, no download: a byte-level BPE tokenizer trained
+    on ``corpus`` with Qwen's special tokens, **no BOS token**, a chat template, the tokenizer
+    class a real Qwen2.5 checkpoint names (so ``AutoTokenizer`` builds ``Qwen2Tokenizer``), and an
+    EOS list in ``generation_config.json`` (``<|im_end|>`` and ``<|endoftext|>``). Returns the
+    ``(im_end, endoftext)`` ids."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = QWEN_CHAT_TEMPLATE
+    hf.save_pretrained(path)
+    tc = path / "tokenizer_config.json"
+    tc.write_text(json.dumps({**json.loads(tc.read_text()), "tokenizer_class": "Qwen2Tokenizer"}))
+    im_end, eot = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(hf), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None,
+        eos_token_id=im_end, pad_token_id=eot, tie_word_embeddings=True))
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
+    model.save_pretrained(path)
+    return im_end, eot

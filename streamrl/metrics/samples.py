@@ -63,6 +63,7 @@ class SampleLog:
                    "text": s.prompt.text, "sample_idx": s.sample_idx, "length": s.num_response_tokens,
                    "reward": s.reward, "finish_reason": c.finish_reason, "version_start": c.version_start,
                    "version_end": c.version_end, "instance": c.instance, "response": s.response_text,
+                   "prompt_ids": list(c.prompt_ids),
                    **_logprobs(c)}
             self._file.write(json.dumps(row) + "\n")
         self._visits.update(keys)

@@ -85,11 +85,13 @@ def _worker_main(fd: int) -> None:
     except BaseException as exc:  # report why the worker cannot start, then exit
         conn.send(("fail", f"could not load reward function: {type(exc).__name__}: {exc}"))
         return
-    if warmup is not None:
-        try:  # first calls may import heavy modules (sympy); keep that out of the timed calls
+    try:  # first calls may import heavy modules (sympy); keep that out of the timed calls
+        if hasattr(fn, "prepare"):  # a user's reward: import its modules, call nothing
+            fn.prepare()
+        elif warmup is not None:
             fn(*warmup)
-        except Exception:
-            pass
+    except Exception:
+        pass  # a reward that cannot load fails on its first call, where it is counted
     conn.send(("ready", None))
     while True:
         try:
@@ -231,7 +233,7 @@ class RewardRunner:
         ``TaskConfig`` (timeout, on_reward_error). A user's reward always runs isolated."""
         fast = reward_fn is None and getattr(task, "reward_is_fast", False)
         warmup = None
-        if not fast:
+        if not fast and reward_fn is None:
             evals = task.eval_prompts()
             warmup = (evals[0], f"\\boxed{{{evals[0].answer}}}") if evals else None
         kwargs.setdefault("warmup", warmup)

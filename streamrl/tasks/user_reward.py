@@ -152,6 +152,10 @@ class UserReward:
         self._load()
         return self
 
+    def prepare(self) -> None:
+        """Import the functions (the reward worker calls this once at start, outside any timeout)."""
+        self._load()
+
     def _load(self) -> list[UserFn]:
         if self._fns is None:
             self._fns = [load_reward_function(s, self.base_dir) for s in self.specs] + self._given
