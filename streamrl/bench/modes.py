@@ -178,6 +178,9 @@ def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=
     ensure_policy(cfg, echo)
     scaling = thread_scaling(cfg)
     init_ray(cfg)
+    from streamrl.metrics import progress
+
+    progress.total(len(modes) - ("colocated" in modes) + ("colocated" in modes) * len(threads_list))
     rows, colocated_by_threads = [], {}
     for mode in modes:
         if mode == "colocated":
@@ -188,6 +191,7 @@ def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=
                 echo(f"bench: colocated at {t} thread(s) ({warmup} warm-up + {iterations} timed iterations)")
                 runs.append(run_mode(c, warmup, iterations, out_dir, name=f"colocated-{t}t"))
                 runs[-1]["threads"] = t
+                progress.advance()
                 colocated_by_threads[t] = runs[-1]["samples_per_s"]
                 echo(f"  {runs[-1]['samples_per_s']:.2f} samples/s, step {runs[-1]['step_s']:.2f}s")
             best = max(runs, key=lambda r: r["samples_per_s"])
@@ -196,6 +200,7 @@ def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=
             continue
         echo(f"bench: {mode} ({warmup} warm-up + {iterations} timed iterations)")
         rows.append(run_mode(cfgs[mode], warmup, iterations, out_dir, name=mode))
+        progress.advance()
         echo(f"  {rows[-1]['samples_per_s']:.2f} samples/s, step {rows[-1]['step_s']:.2f}s")
     by_mode = {r["mode"]: r for r in rows}
     base = by_mode.get("disagg-batch")

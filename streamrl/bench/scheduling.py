@@ -221,11 +221,15 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         rk = make_ranker(ranker, policy_path=cfg.policy.path).fit([text_of[k] for k in fit_len], list(fit_len.values()), list(fit_len))
         fit_s = time.perf_counter() - t_fit
         fit_info = {"ranker": ranker, "fit_s": fit_s, "train_prompts": len(other_len), "fit_prompts": len(fit_len)}
+        from streamrl.metrics import progress
+
+        progress.total(len(batch_sets))
         for b, batch_prompts in enumerate(batch_sets):
             table, lengths, scores = _bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_policy,
                                                   list(other_len.values()), latency, configs, repeats, instances,
                                                   batch, prompt_len, cfg, b, echo)
             per_batch.append(table)
+            progress.advance()
             batch_lengths.update(lengths)
             ranker_scores.update(scores)
     finally:

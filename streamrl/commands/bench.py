@@ -63,8 +63,11 @@ def run_modes(args) -> int:
     from streamrl.metrics.report import print_table, write_json
 
     threads = tuple(int(t) for t in args.colocated_threads.split(",")) if args.colocated_threads else None
-    result = bench_modes(cfg, args.warmup, args.iterations, Path(args.out_dir), modes=args.modes.split(","),
-                         colocated_threads=threads)
+    from streamrl.metrics import progress
+
+    with progress.bar("bench modes: runs"):
+        result = bench_modes(cfg, args.warmup, args.iterations, Path(args.out_dir), modes=args.modes.split(","),
+                             colocated_threads=threads)
     print_table("generation and training tokens/s by thread count", result["thread_scaling"])
     cols = ["mode", "samples_per_s", "tokens_per_s", "step_s", "gen_s", "train_s", "gen_busy", "train_busy",
             "pipeline_efficiency", "speedup_vs_colocated"]
@@ -100,10 +103,13 @@ def run_scheduling(args) -> int:
         if unknown:
             raise SystemExit(f"streamrl bench scheduling: unknown --configs {unknown}; known: {list(by_name)}")
         configs = tuple(by_name[n] for n in names)
-    result = bench_scheduling(cfg, prompts=args.prompts, instances=args.instances, batch=args.batch,
-                              repeats=args.repeats, ranker=args.ranker, ranker_prompts=args.ranker_prompts,
-                              profile=args.profile, configs=configs, history_policy=args.history_policy,
-                              batches=args.batches)
+    from streamrl.metrics import progress
+
+    with progress.bar("bench scheduling: batches", total=args.batches):
+        result = bench_scheduling(cfg, prompts=args.prompts, instances=args.instances, batch=args.batch,
+                                  repeats=args.repeats, ranker=args.ranker, ranker_prompts=args.ranker_prompts,
+                                  profile=args.profile, configs=configs, history_policy=args.history_policy,
+                                  batches=args.batches)
     su, lb = result["setup"], result["lower_bound"]
     fitted = f"{result['ranker']['train_prompts']} other prompts"
     ranker_rows = [result["ranker"]]

@@ -26,6 +26,5 @@ def run(args) -> int:
 
     torch.set_num_threads(cfg.cluster.num_cpus)
     from streamrl.controller.driver import ensure_policy
-
-    ensure_policy(cfg)
+    ensure_policy(cfg)  # shows its own progress bar
     return 0

@@ -87,9 +87,12 @@ def run_eval(args) -> int:
         from streamrl.ranker.evaluate import checkpoint_resolver
 
         policy_at = checkpoint_resolver(args.checkpoints, args.policy_lag)
-    results = run_suite(args.data, data_dir, rankers, kwargs, file=args.file, folds=args.folds, seed=args.seed,
-                        protocols=args.protocol, step_field=args.step_field, warmup_steps=args.warmup_steps,
-                        policy_at=policy_at)
+    from streamrl.metrics import progress
+
+    with progress.bar(f"rank eval ({args.data}): protocols", total=len(args.protocol) if args.protocol else None):
+        results = run_suite(args.data, data_dir, rankers, kwargs, file=args.file, folds=args.folds, seed=args.seed,
+                            protocols=args.protocol, step_field=args.step_field, warmup_steps=args.warmup_steps,
+                            policy_at=policy_at)
     columns = ["unit", "ranker", *METRIC_KEYS, "n", "batches", "fit_s"]
     all_rows = []
     for title, rows, note in results:

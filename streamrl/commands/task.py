@@ -31,7 +31,10 @@ def run(args) -> int:
     ensure_policy(cfg)
     task = make_task(cfg)
     prompts = task.train_prompts()[: args.prompts]
-    completions, tokenizer = sample_policy(cfg, prompts, args.samples, threads=cfg.cluster.num_cpus)
+    from streamrl.metrics import progress
+
+    with progress.bar("task stats: samples", total=len(prompts) * args.samples):
+        completions, tokenizer = sample_policy(cfg, prompts, args.samples, threads=cfg.cluster.num_cpus)
     by_id = {p.prompt_id: p for p in prompts}
     correct, records, seen = [], [], {}
     for c in completions:
@@ -65,6 +68,7 @@ def sample_policy(cfg, prompts, samples_per_prompt: int, threads: int = 2):
     from streamrl.sgs.engines.build import engine_kwargs, run_to_completion
     from streamrl.controller.common import RequestBuilder
     from streamrl.models.tiny import load_policy
+    from streamrl.metrics import progress
     from streamrl.sgs.engines.base import make_engine
 
     model, tokenizer = load_policy(cfg.policy.path)
@@ -74,7 +78,7 @@ def sample_policy(cfg, prompts, samples_per_prompt: int, threads: int = 2):
     requests = builder.build(prompts, iteration=0, tag="stats-")
     engine = make_engine(cfg.generation.engine, model.eval(), **engine_kwargs(cfg, tokenizer, threads, "stats", cfg.run.seed))
     try:
-        completions = run_to_completion(engine, requests)
+        completions = run_to_completion(engine, requests, on_done=progress.advance)
     finally:
         engine.shutdown()
     return completions, tokenizer

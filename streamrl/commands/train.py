@@ -26,9 +26,11 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from streamrl.controller.driver import train
+    from streamrl.metrics import progress
     from streamrl.metrics.report import print_table, write_json
 
-    summary = train(cfg)
+    with progress.bar(f"train {cfg.mode}", total=cfg.run.iterations) as bar:
+        summary = train(cfg, callbacks=[lambda it, metrics: bar.update(completed=it + 1)])
     before, after = summary["before"], summary["after"]
     rows = []
     for key in ("eval/accuracy", "eval/resp_len/p50", "eval/resp_len/p99", "eval/resp_len/max"):
@@ -44,6 +46,13 @@ def run(args) -> int:
     if "slope_per_iter" in trend:
         print(f"training reward: {trend['first_third_mean']:.3f} over the first third of the iterations, "
               f"{trend['last_third_mean']:.3f} over the last third (least-squares slope {trend['slope_per_iter']:+.4f}/iteration)")
+    pipe = summary.get("pipeline") or {}
+    if pipe:
+        print(f"pipeline ({cfg.mode}): step {pipe['step_s']:.1f}s, generation {pipe['gen_s']:.1f}s and training "
+              f"{pipe['train_s']:.1f}s per iteration; efficiency {pipe['efficiency']:.2f} (slower stage / step); "
+              f"busy: generation {pipe['gen_busy']:.2f}, trainer {pipe['train_busy']:.2f}")
+        print(f"Gantt chart of the stages: {pipe['gantt']}")
+    print(f"trained policy: {summary['final_policy']}")
     write_json(args.out, {"rows": rows, "summary": summary})
     return 0
 

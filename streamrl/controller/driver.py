@@ -66,7 +66,10 @@ def ensure_policy(cfg: Config, echo=print) -> None:
     from streamrl.models.sft import make_policy
 
     echo(f"building the tiny policy at {cfg.policy.path} (tokenizer, model, supervised warm start)")
-    res = make_policy(cfg.policy, cfg.policy.path, seed=cfg.run.seed, progress=lambda s, n, m: echo(m))
+    from streamrl.metrics import progress
+
+    with progress.bar("building the tiny policy (SFT steps)", total=cfg.policy.sft_steps):
+        res = make_policy(cfg.policy, cfg.policy.path, seed=cfg.run.seed, progress=lambda s, n, m: echo(m))
     echo(f"policy ready: {res.steps} SFT steps in {res.seconds:.0f}s, sampled accuracy {res.sampled_accuracy:.3f}")
 
 
@@ -188,11 +191,14 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
         logger.log(trained_it + 1, train_metrics, echo=False)  # async: the last steps finish after the loop
     rl_seconds = time.time() - t_run
     timeline = pipeline.timeline
+    pipe_stats: dict[str, Any] = {}
     if len(timeline):
         from streamrl.metrics.timeline import gantt
 
         timeline.to_json(out / "timeline.json")
         gantt(timeline, out / "gantt.png", title=f"{cfg.mode}: {cfg.run.iterations} iterations")
+        pipe_stats = pipeline_stats(logger.history, timeline, rl_seconds, cfg.run.iterations - start)
+        pipe_stats["gantt"] = str(out / "gantt.png")
     after = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "after")
     logger.log(cfg.run.iterations + 1, after, echo=False)
     pipeline.save(str(ckpt), {"iteration": cfg.run.iterations - 1, "stream": stream.state()})
@@ -201,7 +207,7 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
     rewards = [h["reward/mean"] for h in logger.history if "reward/mean" in h]
     summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
                "rewards": rewards, "reward_trend": reward_trend(rewards),
-               "oversized_prompts": ctx.builder.oversized, "final_policy": str(final)}
+               "oversized_prompts": ctx.builder.oversized, "final_policy": str(final), "pipeline": pipe_stats}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pipeline.shutdown()
     if sample_log is not None:
@@ -222,6 +228,26 @@ def reward_trend(rewards: list[float]) -> dict[str, float]:
     slope = float(np.polyfit(np.arange(len(r)), r, 1)[0])
     return {"first_third_mean": float(r[:third].mean()), "last_third_mean": float(r[-third:].mean()),
             "slope_per_iter": slope}
+
+
+def pipeline_stats(history: list[dict], timeline, rl_seconds: float, iterations: int) -> dict[str, float]:
+    """How well the run overlapped its stages: ``efficiency`` = max(mean generation time, mean
+    training time per iteration) / the measured step time (1.0 = the slower stage alone sets the
+    pace, as with perfect overlap; colocated runs sit near gen / (gen + train)), and the busy
+    fractions of the generation instances and the trainer over the run (from the timeline)."""
+    def mean(key: str) -> float:
+        vals = [h[key] for h in history if isinstance(h.get(key), (int, float))]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    step_s = rl_seconds / max(iterations, 1)
+    gen_s, train_s = mean("time/gen_s"), mean("time/train_s") + (mean("time/prepare_s") if any(
+        "time/prepare_s" in h for h in history) else 0.0)
+    summary = timeline.summary()
+    gen_rows = [r for r in timeline.rows() if r != "trainer"]
+    busy = [summary.get(f"busy/{r}", 0.0) for r in gen_rows]
+    return {"step_s": step_s, "gen_s": gen_s, "train_s": train_s,
+            "efficiency": max(gen_s, train_s) / step_s if step_s > 0 else float("nan"),
+            "gen_busy": float(np.mean(busy)) if busy else float("nan"), "train_busy": summary.get("busy/trainer", float("nan"))}
 
 
 def save_dtype(cfg: Config) -> str:

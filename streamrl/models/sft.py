@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from streamrl.metrics import progress as progress_bar
 from streamrl.config import PolicyConfig
 from streamrl.models.tiny import build_model, build_tokenizer, encode_prompt, save_policy
 from streamrl.tasks.synthetic import ALPHABET, TASK_VERSION, SyntheticSpec, make_problem
@@ -148,6 +149,7 @@ def make_policy(cfg: PolicyConfig, out_dir: str, seed: int = 0, spec: SyntheticS
         sched.step()
         tokens += int(mask.sum())
         loss_val = float(out.loss.detach())
+        progress_bar.update(step, cfg.sft_steps)
         if probe and (step % probe_every == 0 or step == cfg.sft_steps):
             per: dict[str, float] = {}
             acc = sampled_accuracy(model, tokenizer, probe, by_subtask=per)

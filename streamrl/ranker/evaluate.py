@@ -374,8 +374,12 @@ def run_suite(data: str, data_dir: Path, rankers: Sequence[str], ranker_kwargs: 
     def run(protocol: str, recs, test=None) -> list[dict] | None:
         if protocols and protocol not in protocols:
             return None
-        return evaluate(protocol, recs, rankers, ranker_kwargs, test_records=test, folds=folds, seed=seed,
+        from streamrl.metrics import progress
+
+        rows = evaluate(protocol, recs, rankers, ranker_kwargs, test_records=test, folds=folds, seed=seed,
                         warmup_steps=warmup_steps, policy_at=policy_at if data == "samples" else None)
+        progress.advance()
+        return rows
 
     out = []
     if data == "qwen-math":

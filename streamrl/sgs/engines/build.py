@@ -30,11 +30,15 @@ def engine_kwargs(cfg: "Config", tokenizer, threads: int, instance: str, seed: i
     return kw
 
 
-def run_to_completion(engine, requests: list[GenRequest]) -> list[Completion]:
-    """Add every request and collect every completion (in completion order)."""
+def run_to_completion(engine, requests: list[GenRequest], on_done=None) -> list[Completion]:
+    """Add every request and collect every completion (in completion order); ``on_done(n)`` is
+    called as completions arrive (a progress bar)."""
     for r in requests:
         engine.add_request(r)
     done: list[Completion] = []
     while len(done) < len(requests):
-        done.extend(engine.get_completions(timeout=1.0))
+        new = engine.get_completions(timeout=1.0)
+        done.extend(new)
+        if on_done is not None and new:
+            on_done(len(new))
     return done
