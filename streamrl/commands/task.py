@@ -36,10 +36,17 @@ def run(args) -> int:
     with progress.bar("task stats: samples", total=len(prompts) * args.samples):
         completions, tokenizer = sample_policy(cfg, prompts, args.samples, threads=cfg.cluster.num_cpus)
     by_id = {p.prompt_id: p for p in prompts}
+    from streamrl.controller.driver import user_reward
+    from streamrl.tasks.rewards import RewardRunner
+
     correct, records, seen = [], [], {}
+    runner = RewardRunner.for_task(task, cfg.task, reward_fn=user_reward(cfg))  # task.reward when set
     for c in completions:
         pid = c.prompt_id
-        correct.append(task.reward(by_id[pid], tokenizer.decode(list(c.output_ids), skip_special_tokens=True)))
+        correct.append(runner(by_id[pid], tokenizer.decode(list(c.output_ids), skip_special_tokens=True))[0] >= 1.0)
+    runner.close()
+    for c in completions:
+        pid = c.prompt_id
         # One record per sample, numbered per prompt in completion order: `streamrl rank eval
         # --data samples --file` holds out prompts, or samples of seen prompts, from these.
         seen[pid] = seen.get(pid, -1) + 1

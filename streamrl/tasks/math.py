@@ -345,6 +345,12 @@ def math_reward(prompt: Prompt, response: str) -> float:
     return 1.0 if mv.verify(gold, pred, timeout_seconds=None) else 0.0
 
 
+def verify(response: str, answer: str, prompt: str, metadata: dict) -> float:
+    """``math_reward`` in the user-reward signature, to name by path or combine with your own:
+    ``task.reward: [streamrl.tasks.math:verify, my_reward.py:format_bonus]``."""
+    return math_reward(Prompt("verify", prompt, answer, dict(metadata)), response)
+
+
 # ----------------------------------------------------------------------------- the task
 
 
