@@ -11,6 +11,13 @@ import argparse
 import importlib
 import sys
 
+from streamrl.errors import UserError
+
+# Errors in the user's input: one line naming what is wrong and exit status 2 (`--debug`: the
+# traceback). A missing or unreadable file is nearly always one the user named (a config, a
+# data file, a run directory), so these OS errors count too.
+USER_ERRORS = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
 # Each module defines ``register(subparsers)``; keep them free of heavy imports.
 COMMAND_MODULES = (
     "streamrl.commands.train",
@@ -22,6 +29,7 @@ COMMAND_MODULES = (
     "streamrl.commands.plan",
     "streamrl.commands.profile",
     "streamrl.commands.compare",
+    "streamrl.commands.config",
 )
 
 
@@ -30,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamrl",
         description="RL post-training of LLMs with disaggregated stream generation (StreamRL).",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error in your input (config, data, paths), show the traceback instead of one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -49,6 +59,13 @@ def run_handler(handler: str, args: argparse.Namespace) -> int:
     return int(result or 0)
 
 
+def format_user_error(exc: BaseException) -> str:
+    """The one line the CLI prints for a mistake in the user's input."""
+    if isinstance(exc, OSError) and not isinstance(exc, UserError) and exc.filename is not None:
+        return f"streamrl: error: {exc.strerror or exc}: {str(exc.filename)!r}"
+    return f"streamrl: {getattr(exc, 'label', 'error')}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         sub_parser = getattr(args, "group_parser", parser)
         sub_parser.print_help()
         return 2
-    from streamrl.config import ConfigError
-
     try:
         return run_handler(handler, args)
-    except ConfigError as exc:
-        print(f"streamrl: config error: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
+        # An error raised inside a Ray task arrives wrapped; its cause holds the message.
+        cause = getattr(exc, "cause", None)
+        print(format_user_error(cause if isinstance(cause, USER_ERRORS) else exc), file=sys.stderr)
         return 2
 
 

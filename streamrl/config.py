@@ -3,30 +3,87 @@
 ``load_config("configs/tiny.yaml", ["trainer.lr=3e-4", "mode=stream-sync"])`` reads the file,
 applies each override (the value is parsed as YAML, so ``3e-4``, ``true`` and ``[1, 2]`` work),
 and validates the whole tree. Any unknown key or bad value raises ``ConfigError`` naming the
-dotted key and the offending value, before any work starts. Defaults run on a 2-core laptop.
+dotted key and the offending value (and the closest key or name for a typo), before any work
+starts: a YAML syntax error names the file, line and column; a number field takes no booleans,
+infinities or NaN; dispatch policies and rankers are checked against their registries. Relative
+paths written in a file resolve against the file's directory, those of overrides and defaults
+against the working directory, and come out absolute (``PATH_FIELDS``). Defaults run on a 2-core
+laptop. ``streamrl config show`` prints the resolved config (``dump_config_annotated``).
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import os
+import re
+import textwrap
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from streamrl.errors import UserError
 from streamrl.modes import MODE_NAMES
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override is wrong; the message names the key and the value."""
+
+    label = "config error"
+
+
+def _union_arms(annotation: Any) -> tuple[Any, ...]:
+    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+
+
+def _misplaced_bool(annotation: Any, value: Any) -> bool:
+    """True where ``value`` is (or holds, in a list or dict) a bool where ``annotation`` wants a
+    number: YAML's ``true`` is not the integer 1 here."""
+    arms = _union_arms(annotation)
+    if isinstance(value, bool):
+        return bool not in arms and any(a in (int, float) for a in arms)
+    for arm in arms:
+        origin, args = get_origin(arm), get_args(arm)
+        if origin in (list, tuple) and args and isinstance(value, (list, tuple)):
+            return any(_misplaced_bool(args[0], v) for v in value)
+        if origin is dict and len(args) == 2 and isinstance(value, dict):
+            return any(_misplaced_bool(args[1], v) for v in value.values())
+    return False
+
+
+def _choice(value: str, names: Iterable[str], what: str) -> str:
+    """``value`` if it is one of ``names``, else an error listing them (and the closest)."""
+    names = list(names)
+    if value in names:
+        return value
+    msg = f"unknown {what} {value!r}; choose one of {names}"
+    close = difflib.get_close_matches(value, names, n=1)
+    if close:
+        msg += f"; did you mean {close[0]!r}?"
+    raise PydanticCustomError("streamrl_value", msg)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: ``trainer.lr=1e400`` or ``nan`` is a mistake, not a learning rate.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """Pydantic's lax mode reads ``true`` as 1; a number field takes numbers (and numeric
+        strings: YAML reads ``3e-4`` as a string), never booleans."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _misplaced_bool(field.annotation, value):
+            raise PydanticCustomError("streamrl_bool_number", "a boolean is not a number")
+        return value
 
 
 class RunConfig(_Section):
-    seed: int = 0
+    seed: int = Field(0, description="seed of data order, sampling and initialisation")
     iterations: int = Field(30, ge=1, description="RL iterations (one optimizer round each)")
     out_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, timeline, ckpts")
     eval_every: int = Field(0, ge=0, description="evaluate on the held-out set every k iterations; 0 = only before/after")
@@ -50,16 +107,16 @@ class PolicyConfig(_Section):
     save_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="dtype of the final policy "
                                                                "checkpoint; auto = bfloat16 on cuda, float32 on cpu")
     # Tiny-policy architecture (used by `streamrl make-policy`).
-    hidden_size: int = Field(128, ge=16)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(384, ge=16)
-    max_position_embeddings: int = Field(512, ge=64)
+    hidden_size: int = Field(128, ge=16, description="tiny policy: hidden size")
+    num_layers: int = Field(4, ge=1, description="tiny policy: transformer layers")
+    num_heads: int = Field(4, ge=1, description="tiny policy: attention heads (divides hidden_size)")
+    num_kv_heads: int = Field(2, ge=1, description="tiny policy: key/value heads (divides num_heads)")
+    intermediate_size: int = Field(384, ge=16, description="tiny policy: MLP width")
+    max_position_embeddings: int = Field(512, ge=64, description="tiny policy: longest prompt + response")
     # Supervised warm start.
-    sft_steps: int = Field(1500, ge=0)
-    sft_batch_size: int = Field(32, ge=1)
-    sft_lr: float = Field(2e-3, gt=0)
+    sft_steps: int = Field(1500, ge=0, description="tiny policy: at most this many supervised warm-start steps")
+    sft_batch_size: int = Field(32, ge=1, description="tiny policy: supervised warm-start batch size")
+    sft_lr: float = Field(2e-3, gt=0, description="tiny policy: supervised warm-start learning rate")
     sft_target_accuracy: float = Field(0.45, gt=0, le=1, description="stop SFT once sampled accuracy reaches this")
 
     @model_validator(mode="after")
@@ -113,6 +170,17 @@ class TaskConfig(_Section):
     partial_credit: float = Field(0.0, ge=0, lt=1, description="synthetic task: credit for a correct chain prefix "
                                   "(exact solutions score 1.0, accuracy counts only those)")
 
+    @field_validator("reward")
+    @classmethod
+    def _reward_syntax(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for spec in [value] if isinstance(value, str) else (value or []):
+            target, sep, attr = spec.rpartition(":")
+            if not (sep and target.strip() and attr.isidentifier()
+                    and (is_reward_file(target) or _MODULE_PATH.match(target))):
+                raise PydanticCustomError("streamrl_value", f"{spec!r} is not 'package.module:function' or "
+                                          "'path/to/file.py:function'")
+        return value
+
     @model_validator(mode="after")
     def _rewards_fit(self) -> "TaskConfig":
         specs = reward_specs(self)
@@ -123,6 +191,15 @@ class TaskConfig(_Section):
             raise ValueError("task.name='file' needs task.train_path (a .jsonl, .parquet, .csv file or a "
                              "`datasets` directory)")
         return self
+
+
+_MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def is_reward_file(target: str) -> bool:
+    """A ``task.reward`` entry's part before ``:`` names a Python file (else a module to import),
+    by the rule ``tasks/user_reward.py`` imports it with."""
+    return target.endswith(".py") or "/" in target or "\\" in target
 
 
 def reward_specs(task: "TaskConfig") -> list[str]:
@@ -137,12 +214,13 @@ class GenerationConfig(_Section):
                                                     "the vllm package (`make test-vllm` builds .venv-vllm)")
     vllm: dict[str, Any] = Field(default_factory=dict, description="extra VLLMEngine settings when engine=vllm: "
                                  "dtype, device, multiprocessing, enforce_eager, gpu_memory_utilization, engine_args")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(200, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest token set holding this "
+                         "probability mass; 1 = off")
+    max_new_tokens: int = Field(200, ge=1, description="longest response, in tokens")
     n_samples: int = Field(8, ge=1, description="samples per prompt (GRPO group size)")
-    prompts_per_iter: int = Field(16, ge=1)
-    num_instances: int = Field(1, ge=1)
+    prompts_per_iter: int = Field(16, ge=1, description="prompts per iteration (each sampled n_samples times)")
+    num_instances: int = Field(1, ge=1, description="generation instances (one Ray actor each)")
     dispatch: str = Field("round-robin", description="dispatch policy: random | round-robin | least-loaded | skewness-aware | skewness-search")
     order: Literal["fifo", "lpt", "lpt-head"] = Field("fifo", description="admission order inside an instance: "
                                                      "arrival; longest predicted first (needs the ranker); or that "
@@ -158,7 +236,7 @@ class GenerationConfig(_Section):
                                     "resumed elsewhere with their generated prefix) where the engine can preempt")
     rebalance_interval_s: float = Field(0.1, gt=0, description="rebalancing checks progress at most this often")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per instance, e.g. {H20: 1}")
-    threads_per_instance: int = Field(1, ge=1)
+    threads_per_instance: int = Field(1, ge=1, description="CPUs (Ray num_cpus) of each generation instance")
     max_batch_tokens: int = Field(1024, ge=16)
     max_requests_per_batch: int = Field(64, ge=1)
     num_blocks: int = Field(512, ge=8)
@@ -166,6 +244,13 @@ class GenerationConfig(_Section):
     cb_attention: Literal["varlen", "dense"] = Field(
         "varlen", description="transformers engine on CPU: 'varlen' attends each request to its own keys "
                               "(sgs/engines/varlen_attention.py); 'dense' is transformers' packed masked attention")
+
+    @field_validator("dispatch")
+    @classmethod
+    def _known_dispatch(cls, value: str) -> str:
+        from streamrl.policies.dispatch import DISPATCH_POLICIES  # pure Python: no torch, no Ray
+
+        return _choice(value, DISPATCH_POLICIES, "policy")
 
 
 class RankerConfig(_Section):
@@ -179,10 +264,17 @@ class RankerConfig(_Section):
                                  "first iteration; None = cold start, fitted on the first finished batch")
     refresh: bool = Field(True, description="update from finished generations each iteration, in the background")
 
+    @field_validator("name")
+    @classmethod
+    def _known_ranker(cls, value: str) -> str:
+        from streamrl.ranker.base import RANKERS  # numpy only: no torch, no Ray
+
+        return _choice(value, [*RANKERS, "none"], "ranker")
+
 
 class TrainerConfig(_Section):
-    algo: Literal["grpo", "ppo"] = "grpo"
-    lr: float = Field(1e-4, gt=0)
+    algo: Literal["grpo", "ppo"] = Field("grpo", description="grpo (group-relative advantages) | ppo (with a critic)")
+    lr: float = Field(1e-4, gt=0, description="policy learning rate")
     weight_decay: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="KL to the frozen reference; 0 disables the reference")
@@ -190,8 +282,8 @@ class TrainerConfig(_Section):
     micro_batch_tokens: int = Field(4096, ge=16, description="token budget of one micro-batch")
     step_tokens: int = Field(0, ge=0, description="dynamic batch: an optimizer step fires once finished groups "
                              "(in completion order) hold this many tokens; 0 = one step per iteration")
-    epochs: int = Field(1, ge=1)
-    threads: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="passes over each batch")
+    threads: int = Field(1, ge=1, description="torch threads (and Ray CPUs) of the single trainer")
     backend: Literal["single", "fsdp"] = Field("single", description="single = one trainer process (the trainer "
                                                "actor); fsdp = FSDP2 ranks as Ray actors in one placement group, "
                                                "driven by the trainer actor (disaggregated modes, GRPO without KL; "
@@ -201,11 +293,11 @@ class TrainerConfig(_Section):
     fsdp_rank_cpus: float = Field(1.0, gt=0, description="CPUs each FSDP2 rank reserves on placement.device=cpu "
                                   "(a fraction shares a core; torch threads per rank: max(1, int(this)))")
     # PPO
-    critic_lr: float = Field(5e-4, gt=0)
+    critic_lr: float = Field(5e-4, gt=0, description="PPO critic learning rate")
     vf_coef: float = Field(0.5, ge=0)
     vf_clip: float = Field(0.2, gt=0)
-    gamma: float = Field(1.0, gt=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
+    gamma: float = Field(1.0, gt=0, le=1, description="PPO discount")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO GAE lambda")
 
 
 class NodeGroupConfig(_Section):
@@ -226,15 +318,15 @@ class PlacementConfig(_Section):
     instance has its own ``gen_gpus_per_instance`` GPUs; ``*_gpu_type`` pins each side to GPUs
     carrying that resource label (a heterogeneous cluster: e.g. trainer on H800, vLLM on H20)."""
 
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu (actors with CPUs only) | cuda (GPU workers)")
     nodes: list[NodeGroupConfig] = Field(default_factory=list, description="the cluster, for the plan and its "
                                          "dry run; empty = the local machine (live runs read Ray's resources)")
     trainer_gpus: int = Field(1, ge=1, description="FSDP2 world size (one Ray worker per GPU)")
-    trainer_gpu_type: str | None = None
+    trainer_gpu_type: str | None = Field(None, description="Ray resource label the trainer's GPUs carry; None = any")
     trainer_dtype: Literal["float32", "bfloat16"] = Field("float32", description="FSDP2 compute dtype "
                                                          "(bfloat16: fp32 master weights, fp32 gradient reduce)")
     gen_gpus_per_instance: int = Field(1, ge=1, description="tensor-parallel size of each vLLM instance")
-    gen_gpu_type: str | None = None
+    gen_gpu_type: str | None = Field(None, description="Ray resource label the generation GPUs carry; None = any")
     cpus_per_gpu: int = Field(4, ge=1, description="CPUs reserved beside each GPU worker")
 
 
@@ -254,7 +346,10 @@ class LoggingConfig(_Section):
 
 
 class Config(_Section):
-    mode: Literal[MODE_NAMES] = "colocated"
+    mode: Literal[MODE_NAMES] = Field(
+        "colocated", description="pipeline: colocated (one worker: generate, then train) | disagg-batch (separate "
+        "workers, whole batches) | stream-sync (train on finished samples during generation) | stream-async "
+        "(also generate iteration i+1 while training i: staleness 1)")
     run: RunConfig = RunConfig()
     cluster: ClusterConfig = ClusterConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -318,6 +413,18 @@ def _string_field(key: str) -> bool | None:
     return None
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A PyYAML error as one line: ``line 3, column 5: mapping values are not allowed here``."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    if context:
+        ctx_mark = getattr(exc, "context_mark", None)
+        where = f" at line {ctx_mark.line + 1}, column {ctx_mark.column + 1}" if ctx_mark is not None else ""
+        problem = f"{problem} ({context}{where})"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
@@ -330,8 +437,32 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({exc})") from exc
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({_yaml_problem(exc)})") from None
     return key, value
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config section an annotation holds (``NodeGroupConfig`` for ``list[NodeGroupConfig]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        model = _model_in(arg)
+        if model is not None:
+            return model
+    return None
+
+
+def _keys_beside(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the section holding the key at ``loc`` (list indices skipped)."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part)) if model is not None else None
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    return list(model.model_fields) if model is not None else []
 
 
 def _format_error(exc: ValidationError) -> str:
@@ -339,35 +470,128 @@ def _format_error(exc: ValidationError) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         value = err.get("input")
+        msg = err["msg"].removeprefix("Value error, ")
         if not loc:  # a check across sections: its message names every key and value involved
-            lines.append(err["msg"].removeprefix("Value error, "))
+            lines.append(msg)
         elif err["type"] == "extra_forbidden":
-            lines.append(f"unknown config key {loc!r} (value {value!r})")
+            line = f"unknown config key {loc!r} (value {value!r})"
+            close = difflib.get_close_matches(str(err["loc"][-1]), _keys_beside(err["loc"]), n=1)
+            if close:
+                line += f"; did you mean {'.'.join([*map(str, err['loc'][:-1]), close[0]])!r}?"
+            lines.append(line)
+        elif err["type"] == "streamrl_value":  # the message names the value already
+            lines.append(f"config key {loc!r}: {msg}")
         else:
-            lines.append(f"config key {loc!r}: {err['msg']} (got {value!r})")
+            lines.append(f"config key {loc!r}: {msg} (got {value!r})")
     return "; ".join(lines)
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Validate a config tree as is (no path resolution: ``load_config`` does that)."""
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc)) from None
 
 
+# Fields naming files, and how a relative value resolves (``_resolve_path``): against the config
+# file's directory for a value written in the file, against the working directory for an override
+# or a default. Resolved values are absolute, so a run's out_dir/config.yaml reloads unchanged.
+#   path: always; data: only if it exists there (else a name the task looks up in the data
+#   directory); policy: unless it looks like a hub id and does not exist there; template: unless
+#   auto/none; reward: the file part of 'file.py:fn' / 'dir/file:fn' entries.
+PATH_FIELDS: dict[str, str] = {
+    "run.out_dir": "path",
+    "policy.path": "policy",
+    "task.train_path": "data",
+    "task.eval_path": "data",
+    "task.chat_template": "template",
+    "task.reward": "reward",
+    "ranker.fit_file": "path",
+    "generation.latency_profile": "path",
+}
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # as streamrl.models.hf reads policy.path
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    """``Qwen/Qwen2.5-0.5B``: org/name, neither part hidden (``.cache/x``), not the tiny policy's cache."""
+    return bool(_HUB_ID.match(value)) and not any(part.startswith(".") for part in value.split("/")) \
+        and not Path(value).name.startswith("tiny-policy")
+
+
+def _resolve_path(kind: str, value: Any, base: Path) -> Any:
+    """``value`` of a ``PATH_FIELDS`` field of that ``kind``, a relative path made absolute
+    against ``base``; anything that is not a path (or not a string) is returned as is."""
+    if kind == "reward":
+        if isinstance(value, list):
+            return [_resolve_path("reward", v, base) for v in value]
+        if not isinstance(value, str):
+            return value
+        target, sep, attr = value.rpartition(":")
+        return f"{_resolve_path('path', target, base)}:{attr}" if sep and is_reward_file(target) else value
+    if not isinstance(value, str) or not value.strip() or (kind == "template" and value in ("auto", "none")):
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    joined = os.path.normpath(base / path)
+    if kind == "data" and not os.path.exists(joined):
+        return value
+    if kind == "policy" and not os.path.exists(joined) and _looks_like_hub_id(value):
+        return value
+    return joined
+
+
+def _resolve_paths(tree: dict[str, Any], base: Path, defaults: bool = False) -> None:
+    """Resolve the ``PATH_FIELDS`` of a raw config tree in place against ``base``; with
+    ``defaults``, also the defaults of those the tree does not set."""
+    for key, kind in PATH_FIELDS.items():
+        section, name = key.split(".")
+        if section not in tree and defaults:
+            tree[section] = {}
+        node = tree.get(section)
+        if not isinstance(node, dict):
+            continue  # validation names the bad section
+        if name in node:
+            node[name] = _resolve_path(kind, node[name], base)
+        elif defaults:
+            default = _model_in(Config.model_fields[section].annotation).model_fields[name].get_default(
+                call_default_factory=True)
+            resolved = _resolve_path(kind, default, base)
+            if resolved != default:
+                node[name] = resolved
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist" if not path.exists()
+                          else f"config file {str(path)!r} is not a file")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} {_yaml_problem(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The validated config of a YAML file (None: the defaults) with dotted overrides applied.
+
+    Relative paths written in the file resolve against the file's directory; those given as
+    overrides, and the defaults, against the working directory (see ``PATH_FIELDS``)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(loaded).__name__}")
-        tree = loaded
+        tree = _read_config_file(p)
+        _resolve_paths(tree, p.absolute().parent)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
+    _resolve_paths(tree, Path.cwd(), defaults=True)
     return config_from_dict(tree)
 
 
@@ -388,3 +612,54 @@ def load_cli_config(config: str | None, overrides: list[str] | tuple[str, ...], 
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+
+
+class _OneLineDumper(yaml.SafeDumper):
+    """Flow-style YAML on one line: multi-line or unprintable strings double-quoted (escaped)."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = '"' if ("\n" in text or not text.isprintable()) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_OneLineDumper.add_representer(str, _represent_str)
+
+
+def _yaml_entry(name: str, value: Any) -> str:
+    """``name: value`` as one line of YAML (a list or mapping in flow style)."""
+    text = yaml.dump({name: value}, Dumper=_OneLineDumper, default_flow_style=True, width=float("inf"),
+                     sort_keys=False, allow_unicode=True).strip()
+    return text[1:-1]  # drop the braces of the one-entry mapping
+
+
+def _comment(text: str | None, indent: str = "", width: int = 100) -> list[str]:
+    if not text:
+        return []
+    lines = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        if lines:
+            lines.append(f"{indent}#")
+        lines += textwrap.wrap(" ".join(para.split()), width - len(indent) - 2, initial_indent=f"{indent}# ",
+                               subsequent_indent=f"{indent}# ", break_on_hyphens=False)
+    return lines
+
+
+def dump_config_annotated(cfg: Config, header: Iterable[str] = ()) -> str:
+    """``cfg`` as YAML with each section's docstring and each key's description as ``#``
+    comments (``streamrl config show``); ``load_config`` reads it back to ``cfg``."""
+    data = cfg.model_dump()
+    lines = [f"# {h}" for h in header] + ([""] if header else [])
+    for name, field in Config.model_fields.items():
+        section = _model_in(field.annotation)
+        if section is None or get_origin(field.annotation) is not None:
+            lines += _comment(field.description)
+            lines.append(_yaml_entry(name, data[name]))
+            continue
+        lines.append("")
+        lines += _comment(section.__doc__)
+        lines.append(f"{name}:")
+        for key, sub in section.model_fields.items():
+            lines += _comment(sub.description, "  ")
+            lines.append("  " + _yaml_entry(key, data[name][key]))
+    return "\n".join(lines).replace("\n\n\n", "\n\n").lstrip("\n") + "\n"

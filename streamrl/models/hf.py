@@ -16,6 +16,8 @@ import os
 import re
 from pathlib import Path
 
+from streamrl.errors import UserError
+
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -24,7 +26,7 @@ def is_tiny_policy_path(path: str | Path) -> bool:
     return Path(path).name.startswith("tiny-policy")
 
 
-class PolicyNotFound(FileNotFoundError):
+class PolicyNotFound(UserError, FileNotFoundError):
     """``policy.path`` names no checkpoint this machine holds."""
 
 

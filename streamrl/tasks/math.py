@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
+from streamrl.errors import UserError
 from streamrl.tasks.base import LoadReport, Task, default_data_dir
 from streamrl.types import Prompt
 
@@ -53,7 +54,7 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A task data file is unusable; the message names the file, line and field."""
 
 

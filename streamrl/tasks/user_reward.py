@@ -29,12 +29,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from streamrl.errors import UserError
 from streamrl.types import Prompt
 
 UserFn = Callable[[str, str, str, dict], "float | Mapping[str, float]"]
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(UserError, ValueError):
     """A ``task.reward`` entry cannot be imported or has the wrong signature; names the entry."""
 
 
