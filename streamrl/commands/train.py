@@ -52,7 +52,6 @@ def run(args) -> int:
               f"{pipe['train_s']:.1f}s per iteration; efficiency {pipe['efficiency']:.2f} (slower stage / step); "
               f"busy: generation {pipe['gen_busy']:.2f}, trainer {pipe['train_busy']:.2f}")
         print(f"Gantt chart of the stages: {pipe['gantt']}")
-    print(f"trained policy: {summary['final_policy']}")
     write_json(args.out, {"rows": rows, "summary": summary})
     return 0
 

@@ -203,7 +203,6 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
     logger.log(cfg.run.iterations + 1, after, echo=False)
     pipeline.save(str(ckpt), {"iteration": cfg.run.iterations - 1, "stream": stream.state()})
     final = export_policy(ckpt / "policy", out / "policy", save_dtype(cfg))
-    echo(f"final policy: {final} (a Hugging Face checkpoint; AutoModelForCausalLM.from_pretrained loads it)")
     rewards = [h["reward/mean"] for h in logger.history if "reward/mean" in h]
     summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
                "rewards": rewards, "reward_trend": reward_trend(rewards),
@@ -214,6 +213,7 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
         sample_log.close()
     ctx.reward_runner.close()
     logger.close()
+    echo(f"trained policy: {final} (a Hugging Face checkpoint: AutoModelForCausalLM.from_pretrained loads it)")
     return summary
 
 
