@@ -53,7 +53,9 @@ def test_own_checkpoint_own_columns_own_reward_by_path_in_stream_async(ray_sessi
         "generation.n_samples=2", "generation.max_new_tokens=16", "logging.samples=true",
         "logging.backends=[console,jsonl]", "ranker.name=none"])
     lines: list[str] = []
-    summary = train(cfg, echo=lines.append)
+    seen: list[int] = []
+    summary = train(cfg, echo=lines.append, callbacks=[lambda it, metrics: seen.append(it)])
+    assert seen == [0, 1]  # one callback per iteration, in order
 
     tok = AutoTokenizer.from_pretrained(ckpt)
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
