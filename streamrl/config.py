@@ -337,7 +337,7 @@ class LoggingConfig(_Section):
     backends: list[Literal[LOGGING_BACKENDS]] = Field(
         ["console", "jsonl", "tensorboard"], description="where metrics go: console | jsonl "
         "(out_dir/metrics.jsonl) | tensorboard (out_dir/tensorboard) | wandb (offline unless WANDB_MODE says "
-        "otherwise; pip install wandb) | mlflow (file store out_dir/mlruns unless MLFLOW_TRACKING_URI; pip "
+        "otherwise; pip install wandb) | mlflow (sqlite store out_dir/mlflow.db unless MLFLOW_TRACKING_URI; pip "
         "install mlflow)")
     project: str = Field("streamrl", description="wandb project / mlflow experiment name")
     run_name: str | None = Field(None, description="wandb / mlflow run name; None = out_dir's name")

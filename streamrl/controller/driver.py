@@ -137,6 +137,13 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
     from streamrl.metrics.logger import MetricsLogger
     from streamrl.models.tiny import load_policy
 
+    from streamrl.config import ConfigError
+    from streamrl.metrics.logger import check_backends
+
+    try:
+        check_backends(cfg.logging.backends)  # a backend whose package is missing fails before any work
+    except ValueError as exc:
+        raise ConfigError(f"logging.backends: {exc}") from None
     plan = plan_placement(cfg)  # once, before any work: an impossible plan fails here, naming the keys
     reward = user_reward(cfg, reward_fn)
     out = Path(cfg.run.out_dir)
