@@ -115,7 +115,8 @@ def _read_datasets_dir(path: Path, split: str) -> Iterator[tuple[int, dict[str, 
     try:
         import datasets
     except ImportError:
-        raise DataError(f"{path}: reading a `datasets` directory needs the datasets package") from None
+        raise DataError(f"{path}: reading a `datasets` directory needs the datasets package: "
+                        "pip install 'streamrl[datasets]'") from None
     try:
         data = datasets.load_from_disk(str(path))
     except Exception as exc:
