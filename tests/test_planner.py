@@ -60,3 +60,28 @@ def test_plan_cli_single_and_cross_dc(tmp_path):
     assert main(["plan", "--gen-gpus", "16", "--gen-gpu-type", "H20", "--train-gpus", "8", "--train-gpu-type", "H800",
                  "--max-len", "5000", "--batch", "256", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["plan"]["gpu"] == "H20+H800"
+
+
+def test_sweep_shows_every_frontier_split_with_the_chosen_one_best_and_inside_the_flat_band():
+    est = small_estimator()
+    row, sweep = plan_single_dc(est, 16, sweep=True)
+    cands = sweep["candidates"]
+    assert [c["chosen"] for c in cands].count(True) == 1
+    chosen = next(c for c in cands if c["chosen"])
+    assert (chosen["gen_gpus"], chosen["train_gpus"]) == (row["gen_gpus"], row["train_gpus"])
+    assert all(c["gen_gpus"] + c["train_gpus"] <= 16 for c in cands)
+    assert min(c["t_iter_s"] for c in cands) == pytest.approx(row["t_iter_s"])
+    flat = sweep["flatness"]
+    assert flat["near_gen_min"] <= row["gen_gpus"] <= flat["near_gen_max"] and flat["near_count"] >= 1
+    _, cross = plan_cross_dc(small_estimator("H20", "H800"), 16, 8, sweep=True)
+    assert any(c["chosen"] for c in cross["candidates"])
+
+
+def test_plan_cli_prints_the_candidates_marks_the_choice_and_plots(tmp_path, capsys):
+    from streamrl.cli import main
+
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpus", "16", "--max-len", "5000", "--batch", "256",
+                 "--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "<- chosen" in text and "within 5% of the best" in text and png.stat().st_size > 1000

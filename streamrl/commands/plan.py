@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--lengths-file", help="replay output lengths from this file (csv with response_wtok, or one per line)")
     p.add_argument("--profile", help="measured profile JSON (PTL points + train_tokens_per_s) instead of the simulator")
     p.add_argument("--instance-devices", type=int, default=1, help="with --profile: devices per generation instance")
+    p.add_argument("--png", help="plot the predicted stage times over every candidate split to this PNG")
+    p.add_argument("--all", action="store_true", help="print every candidate split (default: at most ~24 rows)")
     add_out_argument(p)
     p.set_defaults(handler="streamrl.commands.plan:run_plan")
 
@@ -32,7 +34,7 @@ def register(subparsers) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     from streamrl.sim.estimators import ProfileEstimator, SimEstimator
     from streamrl.metrics.report import print_table, write_json
-    from streamrl.planner.plan import plan_cross_dc, plan_single_dc
+    from streamrl.planner.plan import plan_cross_dc, plan_single_dc, plot_sweep
     from streamrl.policies.latency import load_profile
     from streamrl.sim.hardware import get_gpu
     from streamrl.sim.models import get_model
@@ -58,11 +60,35 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.gen_gpus or args.train_gpus:
         if not (args.gen_gpus and args.train_gpus):
             raise SystemExit("streamrl plan: the cross-datacenter form needs both --gen-gpus and --train-gpus")
-        row = plan_cross_dc(est, args.gen_gpus, args.train_gpus, **keys)
+        row, sweep = plan_cross_dc(est, args.gen_gpus, args.train_gpus, sweep=True, **keys)
     else:
         if not args.gpus:
             raise SystemExit("streamrl plan: give --gpus N (one site) or --gen-gpus M --train-gpus N (two sites)")
-        row = plan_single_dc(est, args.gpus, **keys)
+        row, sweep = plan_single_dc(est, args.gpus, sweep=True, **keys)
     print_table("streamrl plan (Algorithm 1)", [row])
-    write_json(args.out, {"plan": row})
+    cands = sweep["candidates"]
+    shown = cands if args.all or len(cands) <= 24 else _thin(cands, 24)
+    print_table(f"candidate splits ({len(shown)} of {len(cands)}; --all for every one)",
+                [{**c, "chosen": "<- chosen" if c["chosen"] else ""} for c in shown],
+                ["gen_gpus", "train_gpus", "t_gen_s", "t_train_s", "t_iter_s", "chosen"])
+    flat = sweep["flatness"]
+    if flat:
+        print(f"optimum: {flat['near_count']} candidate split(s) within {flat['tolerance']:.0%} of the best iteration "
+              f"time {flat['best_t_iter_s']:.1f}s: generation {flat['near_gen_min']}-{flat['near_gen_max']} devices, "
+              f"training {flat['near_train_min']}-{flat['near_train_max']}"
+              + (" (a sharp optimum)" if flat["near_count"] == 1 else ""))
+    if args.png:
+        cross = bool(args.gen_gpus or args.train_gpus)
+        print(f"plot: {plot_sweep(sweep, args.png, title=f'{args.model}, max_len {args.max_len}', cross_dc=cross)}")
+    write_json(args.out, {"plan": row, "sweep": sweep})
     return 0
+
+
+def _thin(cands: list[dict], k: int) -> list[dict]:
+    """About ``k`` evenly spaced candidates, always keeping the chosen one and its neighbours."""
+    step = max(1, len(cands) // k)
+    keep = set(range(0, len(cands), step)) | {len(cands) - 1}
+    for i, c in enumerate(cands):
+        if c["chosen"]:
+            keep |= {i - 1, i, i + 1}
+    return [cands[i] for i in sorted(keep) if 0 <= i < len(cands)]

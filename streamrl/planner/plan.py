@@ -11,7 +11,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl.policies.balance import Balance, balance_cross_dc, balance_single_dc
+from streamrl.policies.balance import (Balance, Candidate, balance_cross_dc, balance_single_dc, flatness,
+                                       sweep_cross_dc, sweep_single_dc)
+
+
+def _sweep_rows(cands: list[Candidate], chosen: Balance) -> list[dict[str, Any]]:
+    if not any((c.gen_devices, c.train_devices) == (chosen.gen_devices, chosen.train_devices) for c in cands):
+        cands = sorted(cands + [Candidate(chosen.gen_devices, chosen.train_devices, chosen.t_gen, chosen.t_train)],
+                       key=lambda c: (c.gen_devices, c.train_devices))  # a tie Algorithm 1 broke off the frontier
+    return [{"gen_gpus": c.gen_devices, "train_gpus": c.train_devices, "t_gen_s": c.t_gen, "t_train_s": c.t_train,
+             "t_iter_s": c.t_iter, "chosen": (c.gen_devices, c.train_devices) == (chosen.gen_devices, chosen.train_devices)}
+            for c in cands]
+
+
+def sweep_single(est: Any, n: int, chosen: Balance, train_unit: int = 1) -> dict[str, Any]:
+    """The reasoning behind ``plan_single_dc``: predicted stage times over every split on the
+    frontier (``x`` generation devices, the rest training), and how flat the optimum is."""
+    cands = sweep_single_dc(n, est.p_gen, est.p_train, gen_unit=est.gen_unit, train_unit=train_unit)
+    return {"candidates": _sweep_rows(cands, chosen), "flatness": flatness(cands)}
+
+
+def sweep_cross(est: Any, gen_gpus: int, train_gpus: int, chosen: Balance, train_unit: int = 1) -> dict[str, Any]:
+    """The reasoning behind ``plan_cross_dc``: the faster side's sizes and their stage times."""
+    cands = sweep_cross_dc(gen_gpus, train_gpus, est.p_gen, est.p_train, gen_unit=est.gen_unit, train_unit=train_unit)
+    return {"candidates": _sweep_rows(cands, chosen), "flatness": flatness(cands)}
 
 
 def _row(b: Balance, est: Any, **extra: Any) -> dict[str, Any]:
@@ -25,11 +48,49 @@ def _row(b: Balance, est: Any, **extra: Any) -> dict[str, Any]:
     }
 
 
-def plan_single_dc(est: Any, n: int, train_unit: int = 1, **extra: Any) -> dict[str, Any]:
+def plan_single_dc(est: Any, n: int, train_unit: int = 1, sweep: bool = False, **extra: Any):
+    """The split (a row); with ``sweep``, ``(row, sweep_single(...))``."""
     b = balance_single_dc(n, est.p_gen, est.p_train, gen_unit=est.gen_unit, train_unit=train_unit)
-    return _row(b, est, total_gpus=n, **extra)
+    row = _row(b, est, total_gpus=n, **extra)
+    return (row, sweep_single(est, n, b, train_unit)) if sweep else row
 
 
-def plan_cross_dc(est: Any, gen_gpus: int, train_gpus: int, train_unit: int = 1, **extra: Any) -> dict[str, Any]:
+def plan_cross_dc(est: Any, gen_gpus: int, train_gpus: int, train_unit: int = 1, sweep: bool = False, **extra: Any):
+    """The split (a row); with ``sweep``, ``(row, sweep_cross(...))``."""
     b = balance_cross_dc(gen_gpus, train_gpus, est.p_gen, est.p_train, gen_unit=est.gen_unit, train_unit=train_unit)
-    return _row(b, est, gen_gpus_available=gen_gpus, train_gpus_available=train_gpus, **extra)
+    row = _row(b, est, gen_gpus_available=gen_gpus, train_gpus_available=train_gpus, **extra)
+    return (row, sweep_cross(est, gen_gpus, train_gpus, b, train_unit)) if sweep else row
+
+
+def plot_sweep(sweep: dict[str, Any], path: str, title: str = "", cross_dc: bool = False) -> str:
+    """Predicted stage times over the candidate splits (``sweep_single``/``sweep_cross``), the
+    chosen one marked and the near-optimal band shaded; written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cands = sweep["candidates"]
+    side = "train_gpus" if cross_dc and len({c["gen_gpus"] for c in cands}) == 1 else "gen_gpus"
+    xs = [c[side] for c in cands]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [c["t_gen_s"] for c in cands], label="generation", marker=".")
+    ax.plot(xs, [c["t_train_s"] for c in cands], label="training", marker=".")
+    ax.plot(xs, [c["t_iter_s"] for c in cands], label="iteration (slower stage)", color="black", lw=2)
+    flat = sweep.get("flatness") or {}
+    if flat:
+        key = "near_train" if side == "train_gpus" else "near_gen"
+        ax.axvspan(flat[f"{key}_min"], flat[f"{key}_max"], color="green", alpha=0.12,
+                   label=f"within {flat['tolerance']:.0%} of the best")
+    for c in cands:
+        if c["chosen"]:
+            ax.axvline(c[side], color="red", ls="--", label=f"chosen: {c['gen_gpus']} gen + {c['train_gpus']} train")
+    ax.set_xlabel("training devices" if side == "train_gpus" else "generation devices (the rest train)")
+    ax.set_ylabel("predicted seconds per iteration")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
