@@ -70,7 +70,7 @@ def run_plan(args: argparse.Namespace) -> int:
     shown = cands if args.all or len(cands) <= 24 else _thin(cands, 24)
     print_table(f"candidate splits ({len(shown)} of {len(cands)}; --all for every one)",
                 [{**c, "chosen": "<- chosen" if c["chosen"] else ""} for c in shown],
-                ["gen_gpus", "train_gpus", "t_gen_s", "t_train_s", "t_iter_s", "chosen"])
+                ["gen_gpus", "gen_tp", "train_gpus", "t_gen_s", "t_train_s", "t_iter_s", "chosen"])
     flat = sweep["flatness"]
     if flat:
         print(f"optimum: {flat['near_count']} candidate split(s) within {flat['tolerance']:.0%} of the best iteration "

@@ -15,12 +15,13 @@ from streamrl.policies.balance import (Balance, Candidate, balance_cross_dc, bal
                                        sweep_cross_dc, sweep_single_dc)
 
 
-def _sweep_rows(cands: list[Candidate], chosen: Balance) -> list[dict[str, Any]]:
+def _sweep_rows(cands: list[Candidate], chosen: Balance, est: Any = None) -> list[dict[str, Any]]:
     if not any((c.gen_devices, c.train_devices) == (chosen.gen_devices, chosen.train_devices) for c in cands):
         cands = sorted(cands + [Candidate(chosen.gen_devices, chosen.train_devices, chosen.t_gen, chosen.t_train)],
                        key=lambda c: (c.gen_devices, c.train_devices))  # a tie Algorithm 1 broke off the frontier
-    return [{"gen_gpus": c.gen_devices, "train_gpus": c.train_devices, "t_gen_s": c.t_gen, "t_train_s": c.t_train,
-             "t_iter_s": c.t_iter, "chosen": (c.gen_devices, c.train_devices) == (chosen.gen_devices, chosen.train_devices)}
+    return [{"gen_gpus": c.gen_devices, **({"gen_tp": est.gen_config(c.gen_devices)["tp"]} if est is not None else {}),
+             "train_gpus": c.train_devices, "t_gen_s": c.t_gen, "t_train_s": c.t_train, "t_iter_s": c.t_iter,
+             "chosen": (c.gen_devices, c.train_devices) == (chosen.gen_devices, chosen.train_devices)}
             for c in cands]
 
 
@@ -28,13 +29,13 @@ def sweep_single(est: Any, n: int, chosen: Balance, train_unit: int = 1) -> dict
     """The reasoning behind ``plan_single_dc``: predicted stage times over every split on the
     frontier (``x`` generation devices, the rest training), and how flat the optimum is."""
     cands = sweep_single_dc(n, est.p_gen, est.p_train, gen_unit=est.gen_unit, train_unit=train_unit)
-    return {"candidates": _sweep_rows(cands, chosen), "flatness": flatness(cands)}
+    return {"candidates": _sweep_rows(cands, chosen, est), "flatness": flatness(cands)}
 
 
 def sweep_cross(est: Any, gen_gpus: int, train_gpus: int, chosen: Balance, train_unit: int = 1) -> dict[str, Any]:
     """The reasoning behind ``plan_cross_dc``: the faster side's sizes and their stage times."""
     cands = sweep_cross_dc(gen_gpus, train_gpus, est.p_gen, est.p_train, gen_unit=est.gen_unit, train_unit=train_unit)
-    return {"candidates": _sweep_rows(cands, chosen), "flatness": flatness(cands)}
+    return {"candidates": _sweep_rows(cands, chosen, est), "flatness": flatness(cands)}
 
 
 def _row(b: Balance, est: Any, **extra: Any) -> dict[str, Any]:
