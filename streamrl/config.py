@@ -408,8 +408,7 @@ def _string_field(key: str) -> bool | None:
         if i < len(parts) - 1:
             model = ann
             continue
-        args = set(getattr(ann, "__args__", ()) or ())
-        return ann is str or args == {str, type(None)}
+        return set(_union_arms(ann)) in ({str}, {str, type(None)})
     return None
 
 
@@ -511,13 +510,12 @@ PATH_FIELDS: dict[str, str] = {
     "generation.latency_profile": "path",
 }
 
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # as streamrl.models.hf reads policy.path
-
-
 def _looks_like_hub_id(value: str) -> bool:
     """``Qwen/Qwen2.5-0.5B``: org/name, neither part hidden (``.cache/x``), not the tiny policy's cache."""
-    return bool(_HUB_ID.match(value)) and not any(part.startswith(".") for part in value.split("/")) \
-        and not Path(value).name.startswith("tiny-policy")
+    from streamrl.models.hf import HUB_ID, is_tiny_policy_path  # light: no transformers at import
+
+    return bool(HUB_ID.match(value)) and not any(part.startswith(".") for part in value.split("/")) \
+        and not is_tiny_policy_path(value)
 
 
 def _resolve_path(kind: str, value: Any, base: Path) -> Any:

@@ -44,13 +44,11 @@ def run(args) -> int:
     for c in completions:
         pid = c.prompt_id
         correct.append(runner(by_id[pid], tokenizer.decode(list(c.output_ids), skip_special_tokens=True))[0] >= 1.0)
-    runner.close()
-    for c in completions:
-        pid = c.prompt_id
         # One record per sample, numbered per prompt in completion order: `streamrl rank eval
         # --data samples --file` holds out prompts, or samples of seen prompts, from these.
         seen[pid] = seen.get(pid, -1) + 1
         records.append({"key": pid, "text": by_id[pid].text, "length": len(c.output_ids), "step": seen[pid]})
+    runner.close()
     if args.records:
         import json
         from pathlib import Path

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from streamrl.errors import UserError
 
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+"""A Hugging Face hub id, ``org/name`` (``policy.path`` is looked up in the local cache as one)."""
 
 
 def is_tiny_policy_path(path: str | Path) -> bool:
@@ -37,7 +38,7 @@ def resolve_policy_path(path: str | Path) -> Path:
     if (p / "config.json").is_file():
         return p
     text = str(path)
-    if not p.exists() and _HUB_ID.match(text):
+    if not p.exists() and HUB_ID.match(text):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from huggingface_hub import snapshot_download
 

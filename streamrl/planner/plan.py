@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl.policies.balance import (Balance, Candidate, balance_cross_dc, balance_single_dc, flatness,
+from streamrl.policies.balance import (Balance, balance_cross_dc, balance_single_dc, flatness,
                                        sweep_cross_dc, sweep_single_dc)
 
 
-def _sweep_rows(cands: list[Candidate], chosen: Balance, est: Any = None) -> list[dict[str, Any]]:
+def _sweep_rows(cands: list[Balance], chosen: Balance, est: Any = None) -> list[dict[str, Any]]:
     if not any((c.gen_devices, c.train_devices) == (chosen.gen_devices, chosen.train_devices) for c in cands):
-        cands = sorted(cands + [Candidate(chosen.gen_devices, chosen.train_devices, chosen.t_gen, chosen.t_train)],
+        cands = sorted(cands + [chosen],
                        key=lambda c: (c.gen_devices, c.train_devices))  # a tie Algorithm 1 broke off the frontier
     return [{"gen_gpus": c.gen_devices, **({"gen_tp": est.gen_config(c.gen_devices)["tp"]} if est is not None else {}),
              "train_gpus": c.train_devices, "t_gen_s": c.t_gen, "t_train_s": c.t_train, "t_iter_s": c.t_iter,

@@ -86,42 +86,28 @@ def balance_cross_dc(
     return Balance(m, k, tg, p_train(k))
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One split Algorithm 1 considered, with its predicted stage times."""
-
-    gen_devices: int
-    train_devices: int
-    t_gen: float
-    t_train: float
-
-    @property
-    def t_iter(self) -> float:
-        return max(self.t_gen, self.t_train)
-
-
 def sweep_single_dc(n: int, p_gen: StageTime, p_train: StageTime, gen_unit: int = 1,
-                    train_unit: int = 1) -> list[Candidate]:
+                    train_unit: int = 1) -> list[Balance]:
     """Every generation size ``x`` (in units) with the most training devices that fit beside it:
     the frontier Algorithm 1's best split lies on (fewer devices never make a stage faster)."""
     out = []
     for x in _counts(n, gen_unit, 1):
         y = (n - x) // train_unit * train_unit
         if y >= max(train_unit, 1):
-            out.append(Candidate(x, y, p_gen(x), p_train(y)))
+            out.append(Balance(x, y, p_gen(x), p_train(y)))
     return out
 
 
 def sweep_cross_dc(m: int, n: int, p_gen: StageTime, p_train: StageTime, gen_unit: int = 1,
-                   train_unit: int = 1) -> list[Candidate]:
+                   train_unit: int = 1) -> list[Balance]:
     """The sizes of the faster side Algorithm 1 chooses among (the other side keeps all its devices)."""
     tg, tt = p_gen(m), p_train(n)
     if tg < tt:
-        return [Candidate(k, n, p_gen(k), tt) for k in _counts(m, gen_unit, 1)]
-    return [Candidate(m, k, tg, p_train(k)) for k in _counts(n, train_unit, 1)]
+        return [Balance(k, n, p_gen(k), tt) for k in _counts(m, gen_unit, 1)]
+    return [Balance(m, k, tg, p_train(k)) for k in _counts(n, train_unit, 1)]
 
 
-def flatness(candidates: list[Candidate], tolerance: float = 0.05) -> dict[str, float]:
+def flatness(candidates: list[Balance], tolerance: float = 0.05) -> dict[str, float]:
     """How flat the optimum is: the candidates whose iteration time is within ``tolerance`` of the
     best, as the range of generation (and training) device counts they span."""
     finite = [c for c in candidates if math.isfinite(c.t_iter)]

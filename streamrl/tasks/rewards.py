@@ -48,7 +48,7 @@ import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from streamrl.types import Prompt
 
@@ -67,7 +67,7 @@ def normalize(value: Any) -> tuple[float, dict[str, float]]:
     (``UserReward``). Raises ``TypeError`` for anything else, which counts as a failed call."""
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
         return float(value[0]), {str(k): float(v) for k, v in value[1].items()}
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         parts = {str(k): float(v) for k, v in value.items()}
         return (parts["score"] if "score" in parts else sum(parts.values())), parts
     if isinstance(value, (bool, str, bytes)) or value is None:

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from streamrl.config import is_reward_file
 from streamrl.errors import UserError
 from streamrl.types import Prompt
 
@@ -66,7 +67,7 @@ def load_reward_function(spec: str, base_dir: str | Path | None = None) -> UserF
     if not sep or not target or not attr:
         raise RewardSpecError(f"task.reward={spec!r} is not 'package.module:function' or '/path/file.py:function'")
     try:
-        if target.endswith(".py") or "/" in target or "\\" in target:
+        if is_reward_file(target):
             path = Path(target).expanduser()
             if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).is_file():
                 path = Path(base_dir) / path
@@ -107,18 +108,16 @@ def _fn_name(fn: Any, spec: str | None) -> str:
 
 def combine(values: list[Any], names: list[str], weights: list[float]) -> tuple[float, dict[str, float]]:
     """The weighted reward and its named components from each function's return value."""
+    from streamrl.tasks.rewards import normalize
+
     total, components = 0.0, {}
     for value, name, weight in zip(values, names, weights):
-        if isinstance(value, Mapping):
-            parts = {str(k): float(v) for k, v in value.items()}
-            score = parts["score"] if "score" in parts else sum(parts.values())
-            prefix = f"{name}/" if len(names) > 1 else ""
-            components.update({f"{prefix}{k}": v for k, v in parts.items()})
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-                raise TypeError(f"reward function {name!r} returned {type(value).__name__} {value!r}, "
-                                "not a number or a dict of numbers")
-            score = float(value)
+        try:
+            score, parts = normalize(value)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"reward function {name!r}: {exc}") from None
+        prefix = f"{name}/" if len(names) > 1 else ""
+        components.update({f"{prefix}{k}": v for k, v in parts.items()})
         if len(names) > 1:
             components[name] = score
         if not math.isfinite(score):
@@ -129,8 +128,6 @@ def combine(values: list[Any], names: list[str], weights: list[float]) -> tuple[
 
 class UserReward:
     """Picklable ``(prompt, response) -> (reward, components)`` over user functions (see module doc)."""
-
-    returns_components = True
 
     def __init__(self, specs: list[str] | None = None, weights: list[float] | None = None,
                  fns: list[UserFn] | None = None, base_dir: str | Path | None = None):
