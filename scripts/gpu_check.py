@@ -1,7 +1,7 @@
 """One-GPU check of the GPU code paths, and a decode-latency profile for the simulator.
 
-Needs torch and transformers only (Ray and vLLM are used when importable, never required), and
-nothing from a model hub: every model is randomly initialised from a Qwen2.5-shaped config.
+Needs torch, transformers and pydantic (Ray and vLLM are used when importable, never required),
+and nothing from a model hub: every model is randomly initialised from a Qwen2.5-shaped config.
 
 Sections (each reports ok/failed and its numbers; the exit status is 1 if any failed):
 
@@ -10,7 +10,11 @@ Sections (each reports ok/failed and its numbers; the exit status is 1 if any fa
    step time, tokens/s, peak memory, and that the weights moved.
 2. **generation**: the vLLM engine backend (``streamrl.sgs.engines.vllm_engine``, device cuda) on
    that model when vLLM is importable, else transformers ``generate``: tokens/s.
-3. **decode profile**: per-token decode latency vs batch size (1..512) of a Qwen2.5-7B-shaped bf16
+3. **streamrl**: the product's own parts, no Ray: ``FSDPRank`` (bf16, NCCL) takes one GRPO step;
+   its gathered state dict becomes one ``FlatWeights`` buffer that a ``TransformersCBEngine``
+   instance on the same device loads, checked equal to the trainer's, then generates with it
+   (the weight path trainer -> instance, timed leg by leg).
+4. **decode profile**: per-token decode latency vs batch size (1..512) of a Qwen2.5-7B-shaped bf16
    model, from transformers ``generate`` with a KV cache (difference of an N-token and a 1-token
    run, which removes prefill, as ``streamrl profile`` does), saved in the format ``streamrl
    profile`` writes (``policies.latency``'s ``points`` plus extras), next to the simulator's
@@ -177,6 +181,103 @@ def _generation_vllm(shape: str, batch: int, new_tokens: int) -> dict[str, Any]:
             "seconds": dt, "tokens_per_s": n / dt, "engine_start_s": start_s, "weight_update_s": update_s}
 
 
+def check_streamrl_path(shape: str, device: str, batch: int, prompt_len: int, resp_len: int,
+                        new_tokens: int) -> dict[str, Any]:
+    """streamrl's own parts end to end on one device: ``FSDPRank`` (bf16 compute, NCCL on GPU)
+    takes one GRPO step; its full state dict is gathered, flattened into one ``FlatWeights``
+    buffer and loaded into a ``TransformersCBEngine`` instance, which then generates. The
+    weights the instance holds are checked against the trainer's, tensor by tensor."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from streamrl.models.logprobs import token_logprobs
+    from streamrl.models.tiny import build_tokenizer, load_policy
+    from streamrl.sgs.engines.transformers_cb import TransformersCBEngine
+    from streamrl.trainer.fsdp import FSDPRank
+    from streamrl.trainer.trainer import Prepared, set_group_advantages
+    from streamrl.types import GenRequest
+    from streamrl.weights.flat import flatten, unflatten
+
+    out: dict[str, Any] = {"shape": shape, "batch": batch, "prompt_len": prompt_len, "resp_len": resp_len}
+    with tempfile.TemporaryDirectory() as d:
+        model, cfg = build_model(shape, torch.bfloat16, "cpu")  # loaded back in fp32 (master weights)
+        model.save_pretrained(d)
+        build_tokenizer(["0123456789 abc"]).save_pretrained(d)
+        del model
+        rank = FSDPRank(0, 1, {"policy": {"path": d}, "trainer": {"micro_batch_tokens": 8 * (prompt_len + resp_len)}},
+                        d, "bfloat16" if device == "cuda" else "float32", threads=max(1, os.cpu_count() or 1))
+        out["backend"] = rank.setup("127.0.0.1", _free_port(), "nccl" if device == "cuda" else "gloo")
+        try:
+            g = torch.Generator().manual_seed(3)
+            ids = torch.randint(1, cfg.vocab_size, (batch, prompt_len + resp_len), generator=g)
+            old = []
+            with torch.no_grad():  # on-policy old log-probs: forwards of the sharded policy, 8 rows each
+                for chunk in ids.split(8):
+                    x = chunk.to(rank._device)
+                    logp = token_logprobs(rank.model(input_ids=x).logits[:, :-1], x[:, 1:], temperature=1.0)
+                    old.append(logp[:, prompt_len - 1:].float().cpu())
+            old = torch.cat(old)
+            items = [Prepared(input_ids=ids[i].tolist(), resp_start=prompt_len, old_logprobs=old[i].tolist(),
+                              reward=float(torch.rand(1, generator=g)), version=0, prompt_id=f"p{i // 8}")
+                     for i in range(batch)]
+            set_group_advantages([items[i:i + 8] for i in range(0, batch, 8)])
+            name = "model.layers.0.mlp.down_proj.weight"
+            before = rank.policy_state()[name].clone()
+            _sync(device)
+            t0 = time.perf_counter()
+            metrics = rank.train_step(items)
+            _sync(device)
+            out["train_step_s"] = time.perf_counter() - t0
+            out["train_tokens_per_s"] = batch * (prompt_len + resp_len) / out["train_step_s"]
+            out["grad_norm"] = metrics["train/grad_norm"]
+            if device == "cuda":
+                out["train_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            t0 = time.perf_counter()
+            state = rank.policy_state()  # full state dict on CPU (an all-gather at world size > 1)
+            out["gather_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fw = flatten(state, version=1)
+            out["flatten_s"], out["weight_bytes"] = time.perf_counter() - t0, fw.nbytes
+            trained = state[name]
+        finally:
+            rank.close()
+        del rank  # the trainer's GPU memory goes before the instance takes its own
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        engine_model, tok = load_policy(d, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        engine_model.to(device).eval()
+        engine = TransformersCBEngine(engine_model, attention="dense" if device == "cuda" else "varlen",
+                                      eos_token_id=None, pad_token_id=tok.pad_token_id, max_requests_per_batch=batch,
+                                      max_batch_tokens=max(1024, 8 * prompt_len),
+                                      num_blocks=batch * ((prompt_len + new_tokens) // 32 + 2),
+                                      page_size=32, num_threads=max(1, os.cpu_count() or 1), seed=0)
+        try:
+            t0 = time.perf_counter()
+            engine.update_weights(unflatten(fw), version=1)
+            out["load_s"] = time.perf_counter() - t0
+            out["weight_gb_per_s"] = fw.nbytes / 1e9 / (out["gather_s"] + out["flatten_s"] + out["load_s"])
+            held = engine.model.state_dict()[name].detach()
+            # the instance's copy is the trainer's fp32 master cast to the instance's dtype, exactly
+            out["max_abs_diff_vs_trainer"] = float((held.float().cpu() - trained.to(held.dtype).float()).abs().max())
+            out["max_weight_change"] = float((trained.float() - before.float()).abs().max())
+            prompts = ids[:, :prompt_len]
+            t0 = time.perf_counter()
+            for i in range(batch):
+                engine.add_request(GenRequest(f"r{i}", f"p{i}", 0, tuple(prompts[i].tolist()), new_tokens))
+            done = []
+            while len(done) < batch:
+                done += engine.get_completions(timeout=300)
+            dt = time.perf_counter() - t0
+            n = sum(len(c.output_ids) for c in done)
+            out.update(gen_tokens=n, gen_s=dt, tokens_per_s=n / dt,
+                       versions=sorted({c.version_start for c in done}))
+        finally:
+            engine.shutdown()
+    out["ok"] = bool(out["max_weight_change"] > 0 and out["max_abs_diff_vs_trainer"] == 0
+                     and out["gen_tokens"] == batch * new_tokens and out["versions"] == [1])
+    return out
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         import torch
@@ -202,14 +303,41 @@ def profile_decode(shape: str, device: str, batch_sizes, new_tokens: int, prompt
         _sync(device)
         return time.perf_counter() - t0
 
+    def kernel_ms(ids, steps: int = 8) -> float:
+        """GPU kernel time of one decode step (CUDA profiler sum over ``steps`` steps): what a
+        step costs with the host's launch gaps removed, as CUDA graphs would."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            for _ in range(2):
+                out = model(input_ids=tok, past_key_values=past, use_cache=True)
+                tok = out.logits[:, -1:].argmax(-1)
+            _sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    out = model(input_ids=tok, past_key_values=past, use_cache=True)
+                    tok = out.logits[:, -1:].argmax(-1)
+                _sync(device)
+        us = sum(float(getattr(e, "self_device_time_total", 0.0)) for e in prof.key_averages())
+        return us / 1000 / steps
+
     points = []
     for b in batch_sizes:
         ids = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).to(device)
         run(ids[:1], 2)  # warm-up
         one, full = run(ids, 1), run(ids, new_tokens)
         step = max(full - one, 1e-9) / (new_tokens - 1)
-        points.append({"batch_size": b, "ms_per_token": 1000 * step, "tokens_per_s": b / step})
-        print(f"  decode bs={b:4d}: {1000 * step:8.2f} ms/token, {b / step:10.0f} tokens/s", flush=True)
+        point = {"batch_size": b, "ms_per_token": 1000 * step, "tokens_per_s": b / step}
+        if device == "cuda":
+            try:
+                point["kernel_ms_per_token"] = kernel_ms(ids)
+            except Exception as exc:  # the wall-clock profile stands without it
+                point["kernel_error"] = repr(exc)
+        points.append(point)
+        kern = f", kernels {point['kernel_ms_per_token']:7.2f} ms" if "kernel_ms_per_token" in point else ""
+        print(f"  decode bs={b:4d}: {1000 * step:8.2f} ms/token, {b / step:10.0f} tokens/s{kern}", flush=True)
     return {"ok": all(p["ms_per_token"] > 0 for p in points), "points": points, "vocab": cfg.vocab_size}
 
 
@@ -259,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--out", default=None, help="profile JSON (default profiles/gpu-<gpu>-qwen2.5-7b-shape.json)")
     ap.add_argument("--summary", default=None, help="also write every section's numbers here (JSON)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: trainer,generation,decode")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: trainer,generation,streamrl,decode")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -281,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     if "generation" not in skip:
         section("generation", lambda: check_generation(train_shape, device, batch=4 if args.tiny else 64,
                                                        new_tokens=8 if args.tiny else 128), results)
+    if "streamrl" not in skip:
+        section("streamrl", lambda: check_streamrl_path(
+            train_shape, device, batch=8 if args.tiny else 32, prompt_len=8 if args.tiny else 256,
+            resp_len=8 if args.tiny else 768, new_tokens=8 if args.tiny else 256), results)
     profile = None
     if "decode" not in skip:
         section("decode", lambda: profile_decode(decode_shape, device, batch_sizes, args.new_tokens,
@@ -310,17 +442,21 @@ def print_summary(results: dict[str, Any], profile: dict[str, Any] | None) -> No
     print("\nsummary")
     print(f"  {'section':<12} {'status':<8} numbers")
     for name, r in results.items():
-        keys = [k for k in ("engine", "params", "step_s", "tokens_per_s", "peak_mem_gib", "engine_start_s",
-                            "weight_update_s", "profile", "error") if k in r]
+        keys = [k for k in ("engine", "backend", "params", "step_s", "train_step_s", "train_tokens_per_s",
+                            "tokens_per_s", "peak_mem_gib", "train_peak_mem_gib", "engine_start_s", "weight_update_s",
+                            "weight_bytes", "gather_s", "flatten_s", "load_s", "weight_gb_per_s",
+                            "max_abs_diff_vs_trainer", "profile", "error") if k in r]
         nums = ", ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys)
         print(f"  {name:<12} {'ok' if r.get('ok') else 'FAILED':<8} {nums}")
     if profile:
         roof = profile.get("roofline_ms_per_token") or {}
         print(f"\n  decode PTL(BS), {profile['model']} on {profile['gpu']} ({profile['dtype']})")
-        print(f"  {'batch':>6} {'ms/token':>10} {'tokens/s':>10}" + ("  sim graphs / eager" if "graphs" in roof else ""))
+        print(f"  {'batch':>6} {'ms/token':>10} {'kernels ms':>10} {'tokens/s':>10}"
+              + ("  sim graphs / eager" if "graphs" in roof else ""))
         for i, p in enumerate(profile["points"]):
             extra = f"  {roof['graphs'][i]:8.2f} / {roof['eager'][i]:.2f}" if "graphs" in roof else ""
-            print(f"  {p['batch_size']:>6} {p['ms_per_token']:>10.2f} {p['tokens_per_s']:>10.0f}{extra}")
+            kern = f"{p['kernel_ms_per_token']:>10.2f}" if "kernel_ms_per_token" in p else f"{'-':>10}"
+            print(f"  {p['batch_size']:>6} {p['ms_per_token']:>10.2f} {kern} {p['tokens_per_s']:>10.0f}{extra}")
 
 
 if __name__ == "__main__":

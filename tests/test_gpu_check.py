@@ -36,6 +36,9 @@ def test_gpu_check_tiny_cpu_run_writes_a_profile_the_simulator_loads(tmp_path):
     results = json.loads(summary.read_text())
     assert results["trainer"]["ok"] and results["trainer"]["max_weight_change"] > 0
     assert results["generation"]["ok"] and results["generation"]["tokens_per_s"] > 0
+    path = results["streamrl"]  # FSDPRank step -> FlatWeights -> CB instance, weights equal
+    assert path["ok"] and path["max_weight_change"] > 0 and path["max_abs_diff_vs_trainer"] == 0
+    assert path["versions"] == [1] and path["gen_tokens"] == 8 * 8
     profile = json.loads(out.read_text())
     model = latency_from_dict(profile)  # the format `streamrl profile` writes and the simulator reads
     assert [b for b, _ in model.points] == [1, 2, 4] and all(ms > 0 for _, ms in model.points)

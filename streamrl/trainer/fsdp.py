@@ -32,9 +32,9 @@ single-process ``Trainer`` (the same methods, without a model)::
                               its shards (checkpoints cross backends and world sizes)
 
 Weights reach the instances through the Ray object store; NCCL transfer to the vLLM GPUs is not
-done. Tested on CPU only (gloo ranks, against the single-process trainer and inside a
-stream-async run); NCCL, bf16 in the pipelines, multi-node rendezvous and GPU placement have not
-run. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or critic. The metrics of
+done. Tested on CPU (gloo ranks, against the single-process trainer and inside a stream-async
+run) and, at world size 1, on one H200 over NCCL in bf16 (``scripts/gpu_check.py``); several
+NCCL ranks, bf16 in the pipelines, multi-node rendezvous and GPU placement have not run. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or critic. The metrics of
 a step other than the grad norm and counts are rank 0's share of the batch.
 """
 
