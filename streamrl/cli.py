@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from streamrl.errors import UserError
+from streamrl.errors import RunFailure, UserError
 
 # Errors in the user's input: one line naming what is wrong and exit status 2 (`--debug`: the
 # traceback). A missing or unreadable file is nearly always one the user named (a config, a
@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         cause = getattr(exc, "cause", None)
         print(format_user_error(cause if isinstance(cause, USER_ERRORS) else exc), file=sys.stderr)
         return 2
+    except RunFailure as exc:
+        if args.debug:
+            raise
+        print(f"streamrl: {exc.label}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

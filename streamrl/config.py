@@ -244,6 +244,13 @@ class GenerationConfig(_Section):
     cb_attention: Literal["varlen", "dense"] = Field(
         "varlen", description="transformers engine on CPU: 'varlen' attends each request to its own keys "
                               "(sgs/engines/varlen_attention.py); 'dense' is transformers' packed masked attention")
+    restart: bool = Field(True, description="start a replacement (with the current weights) for an instance that "
+                                            "died or stopped answering")
+    max_restarts: int = Field(8, ge=0, description="replacements started over the whole run, at most")
+    heartbeat_timeout_s: float = Field(120.0, gt=0, description="an instance that answers no call (poll, submit, "
+                                       "weight update) for this long is taken as hung: killed, its requests re-dispatched")
+    replacement_timeout_s: float = Field(300.0, gt=0, description="how long a replacement may take to start "
+                                         "(Ray scheduling and model load) before it counts as failed")
 
     @field_validator("dispatch")
     @classmethod

@@ -13,3 +13,19 @@ class UserError(Exception):
 
     #: the CLI prints ``streamrl: <label>: <message>``
     label = "error"
+
+
+class RunFailure(Exception):
+    """A run stopped by a fault outside the user's input (every generation instance lost beyond
+    the restart budget, the trainer died). The CLI prints ``streamrl: run failed: <message>``
+    and exits with status 1; the last checkpoint is left as it was."""
+
+    label = "run failed"
+
+
+class GenerationFailed(RunFailure):
+    """No generation instance is left and none could be started."""
+
+
+class TrainerFailed(RunFailure):
+    """The trainer actor (or the weights it published) is gone."""

@@ -13,10 +13,21 @@ import time
 import ray
 
 from streamrl.config import Config
+from streamrl.errors import TrainerFailed
 from streamrl.metrics.timeline import Timeline
 from streamrl.modes import get_mode
 from streamrl.placement import PlacementPlan
 from streamrl.types import Completion, GenRequest, TrainResult
+
+
+def trainer_get(ref, what: str):
+    """``ray.get`` of a call to the trainer (or the colocated worker): its death is a
+    ``TrainerFailed`` naming the call, not a Ray traceback that blames whoever waited."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as exc:
+        raise TrainerFailed(f"the trainer actor died during {what} ({type(exc).__name__}); "
+                            "the last checkpoint was left as it was") from None
 
 
 class Pipeline:
@@ -61,17 +72,17 @@ class ColocatedPipeline(Pipeline):
         self.timeline = Timeline()
 
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
-        completions, _ = ray.get(self.worker.generate.remote(requests))
+        completions, _ = trainer_get(self.worker.generate.remote(requests), "generate")
         return completions
 
     def step(self, iteration: int, prompts, upcoming=None):  # no ranker here: ``upcoming`` is unused
         t0 = time.time()
         requests = self.ctx.builder.build(prompts, iteration)
-        completions, gen_s = ray.get(self.worker.generate.remote(requests))
+        completions, gen_s = trainer_get(self.worker.generate.remote(requests), f"generate (iteration {iteration})")
         t_gen_end = time.time()
         samples = [self.ctx.scorer.score(c, iteration) for c in completions]
         t_train = time.time()
-        metrics = ray.get(self.worker.train.remote(samples))
+        metrics = trainer_get(self.worker.train.remote(samples), f"train (iteration {iteration})")
         t_end = time.time()
         self.timeline.add("colocated-0", "generate", iteration, iteration, t0, t_gen_end)
         self.timeline.add("colocated-0", "train", iteration, iteration, t_train, t_end - metrics["time/weight_sync_s"])
@@ -85,10 +96,10 @@ class ColocatedPipeline(Pipeline):
         """Nothing is ever pending: every call blocks."""
 
     def save(self, path: str, extra: dict) -> None:
-        ray.get(self.worker.save.remote(path, extra))
+        trainer_get(self.worker.save.remote(path, extra), "save")
 
     def load(self, path: str) -> dict:
-        return ray.get(self.worker.load.remote(path))
+        return trainer_get(self.worker.load.remote(path), "load")
 
     def shutdown(self) -> None:
         ray.get(self.worker.shutdown.remote())
@@ -131,7 +142,7 @@ class DisaggPipeline(Pipeline):
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
         for _ in range(cfg.generation.num_instances):
             self.sgs.add_instance()
-        self.sgs.update(ray.get(self.trainer.publish.remote()), 0)
+        self.sgs.update(trainer_get(self.trainer.publish.remote(), "publish"), 0)
         self.pending: dict[int, ray.ObjectRef] = {}
         self.results: dict[int, TrainResult] = {}
         self._reported: set[int] = set()  # iterations whose training metrics went out with a step
@@ -141,7 +152,7 @@ class DisaggPipeline(Pipeline):
     # ------------------------------------------------------------------------------ weights
     def _result(self, it: int) -> TrainResult:
         if it not in self.results:
-            self.results[it] = ray.get(self.pending.pop(it))
+            self.results[it] = trainer_get(self.pending.pop(it), f"training iteration {it}")
         return self.results[it]
 
     def _ensure_version(self, needed: int) -> None:
@@ -249,19 +260,19 @@ class DisaggPipeline(Pipeline):
         self._collect_events()
 
     def _collect_events(self, trainer: bool = True) -> None:
-        evs = (ray.get(self.trainer.drain_events.remote()) if trainer else []) + self.sgs.drain_events()
+        evs = (trainer_get(self.trainer.drain_events.remote(), "drain_events") if trainer else []) + self.sgs.drain_events()
         self.timeline.extend(evs)
 
     def trained_ids(self) -> list[str]:
-        return ray.get(self.trainer.drain_trained_ids.remote())
+        return trainer_get(self.trainer.drain_trained_ids.remote(), "drain_trained_ids")
 
     def save(self, path: str, extra: dict) -> None:
         self.finish()
-        ray.get(self.trainer.save.remote(path, extra))
+        trainer_get(self.trainer.save.remote(path, extra), "save")
 
     def load(self, path: str) -> dict:
-        extra = ray.get(self.trainer.load.remote(path))
-        self.sgs.update(ray.get(self.trainer.publish.remote()), ray.get(self.trainer.version.remote()))
+        extra = trainer_get(self.trainer.load.remote(path), "load")
+        self.sgs.update(trainer_get(self.trainer.publish.remote(), "publish"), trainer_get(self.trainer.version.remote(), "version"))
         return extra
 
     def shutdown(self) -> None:

@@ -68,6 +68,12 @@ class GenerationInstance:
     def ready(self) -> str:
         return self.name
 
+    def pid(self) -> int:
+        """This actor's process id (fault benchmarks and tests kill or stop it from outside)."""
+        import os
+
+        return os.getpid()
+
     def submit(self, requests) -> int:
         if not self.hold_back:
             for r in requests:

@@ -36,6 +36,15 @@ free slots (work stealing). The source ``preempt``s them: a not-started request 
 a running one (``generation.rebalance_running``, at most once) continues from ``prompt + prefix``
 and its two parts are joined into one ``Completion``. Never lost, never run twice.
 
+Faults: every call to an instance goes through ``_gather`` (or ``poll``). An instance whose
+actor died, or that answers no call within ``generation.heartbeat_timeout_s`` (a poll returns
+every 0.5 s when healthy), is killed and removed (``_fail``): its unfinished requests are
+re-dispatched to the others from their start, or from their joined prefix if they had moved
+(``sgs/faults``, ``sgs/requeued``), and with ``generation.restart`` a replacement is started
+that installs the current weights before it takes work, within ``generation.max_restarts``.
+With no instance left and none startable, ``GenerationFailed``; a weight update whose buffer's
+owner (the trainer) is gone raises ``TrainerFailed``: the message names the side that failed.
+
 Placement: each instance is a Ray actor with ``generation.threads_per_instance`` CPUs and
 ``generation.resources``, or on ``placement.device=cuda`` its bundle of the placement plan.
 """
@@ -52,6 +61,7 @@ from typing import Iterator, Sequence
 import ray
 
 from streamrl.config import Config
+from streamrl.errors import GenerationFailed, TrainerFailed
 from streamrl.placement import PlacementPlan, plan_placement
 from streamrl.policies.dispatch import make_dispatch_policy
 from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
@@ -96,6 +106,9 @@ class StreamGenerationService:
         self.predicted: dict[str, float] = {}
         self.returned: set[str] = set()
         self._polls: dict[ray.ObjectRef, str] = {}
+        self._armed_at: dict[ray.ObjectRef, float] = {}  # poll ref -> perf_counter when sent (heartbeat)
+        self.heartbeat_s = g.heartbeat_timeout_s
+        self.faults: list[dict] = []  # one record per failed instance: name, reason, wall time, requeued
         self._names = (f"gen-{i}" for i in itertools.count())
         self._handle = None
         self.version = 0
@@ -109,7 +122,7 @@ class StreamGenerationService:
         self._metrics: dict[str, float] = {}
         self.counters = {"sgs/duplicates": 0, "sgs/resubmitted": 0, "sgs/instances_added": 0,
                          "sgs/instances_removed": 0, "sgs/rebalanced": 0, "sgs/rebalanced_running": 0,
-                         "sgs/rebalance_rounds": 0}
+                         "sgs/rebalance_rounds": 0, "sgs/faults": 0, "sgs/requeued": 0, "sgs/restarts": 0}
 
     def configure(self, dispatch: str, order: str, rebalance: bool, dispatch_kwargs: dict | None = None) -> None:
         """Switch the scheduling policies between batches (benchmarks compare them on one pool).
@@ -163,9 +176,19 @@ class StreamGenerationService:
         actor = GenerationInstance.options(**options, name=None).remote(
             name, self.cfg.model_dump(), self.policy_path, g.threads_per_instance, self.cfg.run.seed + len(self.instances),
             hold_back=self.hold_back, engine_overrides=self.engine_overrides)
-        ray.get(actor.ready.remote())
-        if self._handle is not None:
-            ray.get(actor.update.remote(self._handle, self.version))
+        try:
+            ray.get(actor.ready.remote(), timeout=g.replacement_timeout_s)
+            if self._handle is not None:  # the current weights before any work
+                ray.get(actor.update.remote(self._handle, self.version), timeout=max(self.heartbeat_s, g.replacement_timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            raise GenerationFailed(
+                f"generation instance {name} did not start within generation.replacement_timeout_s="
+                f"{g.replacement_timeout_s:g}s (Ray resources free now: {ray.available_resources()})") from None
+        except ray.exceptions.ObjectLostError as exc:
+            ray.kill(actor)
+            raise TrainerFailed(f"weights version {self.version} are lost (the trainer that published them "
+                                f"died): {type(exc).__name__}") from None
         self.instances[name] = actor
         self.counters["sgs/instances_added"] += 1
         return name
@@ -191,14 +214,75 @@ class StreamGenerationService:
         self.counters["sgs/instances_removed"] += 1
         return len(orphans)
 
+    # ----------------------------------------------------------------------------------- faults
+    def _gather(self, refs: dict[str, ray.ObjectRef], what: str) -> dict[str, object]:
+        """The results of one call per instance (``{name: ref}``); an instance that died or did
+        not answer within the heartbeat timeout is failed over (``_fail``) and left out."""
+        out: dict[str, object] = {}
+        deadline = time.perf_counter() + self.heartbeat_s
+        for name, ref in refs.items():
+            try:
+                out[name] = ray.get(ref, timeout=max(0.0, deadline - time.perf_counter()))
+            except ray.exceptions.GetTimeoutError:
+                self._fail(name, f"answered no {what} within generation.heartbeat_timeout_s={self.heartbeat_s:g}s")
+            except ray.exceptions.RayActorError as exc:
+                self._fail(name, f"died ({type(exc).__name__}) during {what}")
+            except ray.exceptions.ObjectLostError as exc:  # OwnerDiedError: the buffer's owner is gone
+                raise TrainerFailed(f"{what}: weights version {self.version} are lost, the trainer that "
+                                    f"published them died ({type(exc).__name__})") from None
+        return out
+
+    def _fail(self, name: str, reason: str) -> None:
+        """Remove a dead or hung instance, start a replacement if allowed, and re-dispatch its
+        unfinished requests (nothing is lost; each still completes exactly once)."""
+        if name not in self.instances:
+            return
+        log.warning("generation instance %s %s: removed, its unfinished requests re-dispatched", name, reason)
+        actor = self.instances.pop(name)
+        self._progress.pop(name, None)
+        for ref in [r for r, n in self._polls.items() if n == name]:
+            del self._polls[ref]
+            self._armed_at.pop(ref, None)
+        try:
+            ray.kill(actor)  # a hung process is stopped for good; a dead one is already gone
+        except Exception:  # noqa: BLE001 - the actor may be unknown to Ray by now
+            pass
+        orphans = [req for inst, req in self.assigned.values() if inst == name]
+        for req in orphans:
+            del self.assigned[req.request_id]
+        self.counters["sgs/faults"] += 1
+        self.faults.append({"instance": name, "reason": reason, "time": time.time(), "requeued": len(orphans)})
+        g = self.cfg.generation
+        if g.restart and self.counters["sgs/restarts"] < g.max_restarts:
+            self.counters["sgs/restarts"] += 1
+            try:
+                log.warning("starting a replacement for %s (%d of generation.max_restarts=%d)", name,
+                            self.counters["sgs/restarts"], g.max_restarts)
+                self.add_instance()
+            except GenerationFailed as exc:
+                if not self.instances:
+                    raise
+                log.warning("no replacement for %s: %s", name, exc)
+        if not self.instances:
+            raise GenerationFailed(
+                f"every generation instance is gone (the last, {name}, {reason}); "
+                + (f"generation.max_restarts={g.max_restarts} replacements used" if g.restart
+                   else "generation.restart is false") + f"; {len(orphans)} requests were unfinished")
+        if orphans:
+            self._dispatch_and_send(orphans, [self.predicted.get(r.request_id, 1.0) for r in orphans])
+            self.counters["sgs/requeued"] += len(orphans)
+
     # ---------------------------------------------------------------------------------- weights
     def update(self, handle, version: int, wait: bool = True):
         """Install ``version`` on every instance. ``wait=False`` returns the refs (overlap)."""
         self._handle, self.version = handle, version
-        refs = [a.update.remote(handle, version) for a in self.instances.values()]
+        refs = {n: a.update.remote(handle, version) for n, a in self.instances.items()}
         if self.ranker is not None:  # rankers that score with the policy fetch it in their thread
             self.ranker.set_policy(lambda: state_dict_of(handle), version)
-        return ray.get(refs) if wait else refs
+        if not wait:
+            return list(refs.values())
+        # A replacement started while failing over installs self._handle itself (add_instance).
+        return list(self._gather(refs, f"weight update to version {version}").values())
 
     # ---------------------------------------------------------------------------------- ranker
     def attach_prompts(self, prompts: Sequence) -> None:
@@ -249,7 +333,7 @@ class StreamGenerationService:
             per_instance.setdefault(names[k], []).append(r)
             self.assigned[r.request_id] = (names[k], r)
             self.predicted[r.request_id] = length
-        ray.get([self.instances[n].submit.remote(rs) for n, rs in per_instance.items()])
+        self._gather({n: self.instances[n].submit.remote(rs) for n, rs in per_instance.items()}, "submit")
 
     def pending(self) -> int:
         return len(self.assigned)
@@ -266,22 +350,28 @@ class StreamGenerationService:
                 ref = (actor.poll_with_progress.remote(min(0.5, self.rebalance_interval_s)) if want_progress
                        else actor.poll.remote(0.5))
                 self._polls[ref] = name
+                self._armed_at[ref] = time.perf_counter()
         if not self._polls:
             return []
         ready, _ = ray.wait(list(self._polls), num_returns=1, timeout=timeout)
+        now = time.perf_counter()
+        for ref in [r for r in self._polls if r not in ready and now - self._armed_at.get(r, now) > self.heartbeat_s]:
+            if ref in self._polls:  # a poll of 0.5 s that has not returned for the heartbeat timeout: hung
+                self._fail(self._polls[ref], f"answered no poll within generation.heartbeat_timeout_s={self.heartbeat_s:g}s")
         out: list[Completion] = []
         for ref in ready:
+            if ref not in self._polls:  # its instance was failed over just above
+                continue
             name = self._polls.pop(ref)
+            self._armed_at.pop(ref, None)
             try:
                 batch = ray.get(ref)
                 if isinstance(batch, tuple):  # poll_with_progress
                     batch, self._progress[name] = batch
                 else:  # a plain poll: the last progress of this instance is stale now
                     self._progress.pop(name, None)
-            except ray.exceptions.RayActorError:
-                log.warning("generation instance %s died; its requests are re-submitted", name)
-                if name in self.instances:
-                    self.remove_instance(name)
+            except ray.exceptions.RayActorError as exc:
+                self._fail(name, f"died ({type(exc).__name__}) during poll")
                 continue
             for c in batch:
                 if c.request_id not in self.assigned:
@@ -354,8 +444,11 @@ class StreamGenerationService:
             self._metrics.update(self.ranker.metrics())
 
     def take_metrics(self) -> dict[str, float]:
-        """Metrics since the last call: ranking quality of the last batch, rebalancing counters."""
-        out = {**self._metrics, "sgs/rebalanced": float(self.counters["sgs/rebalanced"])}
+        """Metrics since the last call: ranking quality of the last batch; the live instance count
+        and the run's rebalancing and fault counters (cumulative)."""
+        out = {**self._metrics, "sgs/instances": float(len(self.instances)),
+               **{k: float(self.counters[k]) for k in ("sgs/rebalanced", "sgs/faults", "sgs/requeued",
+                                                       "sgs/restarts", "sgs/resubmitted", "sgs/duplicates")}}
         self._metrics = {}
         return out
 
@@ -371,10 +464,11 @@ class StreamGenerationService:
         counts = self._unfinished_counts()
         if not has_free_slots(counts, cap):
             return 0  # every instance has a full batch of work, or there is nothing to split: no Ray call
-        names = list(self.instances)
-        missing = [n for n in names if n not in self._progress]  # not polled yet since it got work
-        for n, st in zip(missing, ray.get([self.instances[n].progress.remote() for n in missing])):
-            self._progress[n] = st
+        missing = [n for n in self.instances if n not in self._progress]  # not polled yet since it got work
+        self._progress.update(self._gather({n: self.instances[n].progress.remote() for n in missing}, "progress"))
+        names = list(self.instances)  # without any instance failed over just now
+        if len(names) < 2:
+            return 0
         moves = plan_round(self._unfinished({n: self._progress[n] for n in names}), self.latency, cap,
                            self.rebalance_threshold, sorted(self._recent))
         return self._apply_moves(moves) if moves else 0
@@ -409,17 +503,26 @@ class StreamGenerationService:
         by_src: dict[str, list[str]] = {}
         for m in moves:
             by_src.setdefault(m.src, []).append(m.request_id)
-        refs = {src: self.instances[src].preempt.remote(ids, self.rebalance_running) for src, ids in by_src.items()}
+        stopped = self._gather({src: self.instances[src].preempt.remote(ids, self.rebalance_running)
+                                for src, ids in by_src.items() if src in self.instances}, "preempt")
         per_dst: dict[str, list[GenRequest]] = {}
-        for src, ref in refs.items():
-            for part in ray.get(ref):  # only requests the source stopped: none can also finish there
+        for parts in stopped.values():
+            for part in parts:  # only requests the source stopped: none can also finish there
                 per_dst.setdefault(dst_of[part.request.request_id], []).append(self._continuation(part))
-        moved = 0
+        moved, lost_dst = 0, []
         for dst, reqs in per_dst.items():
+            if dst not in self.instances:  # failed over meanwhile: these go through dispatch instead
+                lost_dst += reqs
+                continue
             for req in reqs:
                 self.assigned[req.request_id] = (dst, req)
             moved += len(reqs)
-        ray.get([self.instances[dst].submit.remote(reqs) for dst, reqs in per_dst.items()])
+        self._gather({dst: self.instances[dst].submit.remote(reqs) for dst, reqs in per_dst.items()
+                      if dst in self.instances}, "submit")
+        if lost_dst:
+            for req in lost_dst:
+                self.assigned.pop(req.request_id, None)
+            self._dispatch_and_send(lost_dst, [self.predicted.get(r.request_id, 1.0) for r in lost_dst])
         self.counters["sgs/rebalanced"] += moved
         self.counters["sgs/rebalance_rounds"] += 1
         return moved
@@ -443,10 +546,11 @@ class StreamGenerationService:
 
     # ------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, dict]:
-        return dict(zip(self.instances, ray.get([a.stats.remote() for a in self.instances.values()])))
+        return self._gather({n: a.stats.remote() for n, a in self.instances.items()}, "stats")
 
     def drain_events(self) -> list[Event]:
-        return [e for evs in ray.get([a.drain_events.remote() for a in self.instances.values()]) for e in evs]
+        evs = self._gather({n: a.drain_events.remote() for n, a in self.instances.items()}, "drain_events")
+        return [e for batch in evs.values() for e in batch]
 
     def shutdown(self) -> None:
         for actor in self.instances.values():

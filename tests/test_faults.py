@@ -1,0 +1,225 @@
+"""Generation faults, for real: instance processes are killed (SIGKILL) or frozen (SIGSTOP) from
+outside while they work or idle, and the weights' owner dies. Nothing is lost or returned twice,
+a replacement installs the current weights, and a failure beyond the restart budget is named."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from streamrl.config import load_config
+from streamrl.errors import GenerationFailed, TrainerFailed
+
+pytestmark = pytest.mark.slow  # Ray instances with engines
+
+
+def _cfg(policy_dir, *overrides):
+    return load_config(None, [f"policy.path={policy_dir}", "generation.max_new_tokens=24", "generation.n_samples=2",
+                              "generation.max_requests_per_batch=2", "task.num_eval=4", *overrides])
+
+
+def _requests(policy_dir, n_prompts: int, tag: str = ""):
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.models.tiny import load_policy
+    from streamrl.tasks.synthetic import SyntheticTask
+
+    _, tok = load_policy(policy_dir)
+    prompts = SyntheticTask(num_train=n_prompts, num_eval=1, seed=1).train_prompts()
+    return RequestBuilder(tok, _cfg(policy_dir)).build(prompts, iteration=0, tag=tag)
+
+
+def _handle(policy_dir, version: int):
+    """A weight handle as the trainer publishes one (this process owns it)."""
+    from streamrl.models.tiny import load_policy
+    from streamrl.weights.flat import flatten
+    from streamrl.weights.transfer import RayObjectStoreTransport
+
+    model, _ = load_policy(policy_dir)
+    return RayObjectStoreTransport().publish(flatten(model.state_dict(), version))
+
+
+def _pid(sgs, name: str) -> int:
+    import ray
+
+    return ray.get(sgs.instances[name].pid.remote())
+
+
+def _busiest(sgs) -> str:
+    left = {n: sum(inst == n for inst, _ in sgs.assigned.values()) for n in sgs.instances}
+    return max(left, key=left.get)
+
+
+def _generate_and_hit(sgs, requests, hit) -> list[str]:
+    """Every request's id as it comes back; ``hit(victim_pid)`` is applied once, after the first
+    completion, to the process of the instance with the most unfinished requests."""
+    seen, victim = [], None
+    for c in sgs.generate(requests):
+        seen.append(c.request_id)
+        if victim is None:
+            victim = _busiest(sgs)
+            hit(_pid(sgs, victim))
+    return seen
+
+
+def test_an_instance_killed_while_generating_loses_nothing_and_is_replaced(ray_session, tiny_policy_dir):
+    import ray
+
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir))
+    sgs.add_instance()
+    sgs.add_instance()
+    sgs.update(_handle(tiny_policy_dir, 3), 3)
+    requests = _requests(tiny_policy_dir, 12)
+    try:
+        seen = _generate_and_hit(sgs, requests, lambda pid: os.kill(pid, signal.SIGKILL))
+        versions = ray.get([a.version.remote() for a in sgs.instances.values()])
+    finally:
+        sgs.shutdown()
+    assert sorted(seen) == sorted(r.request_id for r in requests)  # none lost, none twice
+    assert sgs.counters["sgs/faults"] == 1 and sgs.counters["sgs/requeued"] >= 1
+    assert sgs.faults[0]["requeued"] == sgs.counters["sgs/requeued"] and "died" in sgs.faults[0]["reason"]
+    assert sgs.counters["sgs/restarts"] == 1 and sgs.counters["sgs/instances_added"] == 3
+    assert versions == [3, 3]  # the replacement installed the current weights before taking work
+    assert sgs.take_metrics()["sgs/faults"] == 1.0
+
+
+def test_an_idle_instance_that_died_does_not_break_the_next_weight_update(ray_session, tiny_policy_dir):
+    import ray
+
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.restart=false"))
+    try:
+        first, second = sgs.add_instance(), sgs.add_instance()
+        os.kill(_pid(sgs, first), signal.SIGKILL)  # no work: only the update will meet it
+        sgs.update(_handle(tiny_policy_dir, 1), 1)
+        assert list(sgs.instances) == [second] and ray.get(sgs.instances[second].version.remote()) == 1
+        requests = _requests(tiny_policy_dir, 3, tag="after-")
+        assert sorted(c.request_id for c in sgs.generate(requests)) == sorted(r.request_id for r in requests)
+    finally:
+        sgs.shutdown()
+    assert sgs.counters["sgs/faults"] == 1 and sgs.counters["sgs/restarts"] == 0
+
+
+def test_a_frozen_instance_is_found_by_the_heartbeat_and_its_work_moves(ray_session, tiny_policy_dir):
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.heartbeat_timeout_s=3", "generation.restart=false"))
+    sgs.add_instance()
+    sgs.add_instance()
+    requests = _requests(tiny_policy_dir, 12)
+    frozen = []
+
+    def freeze(pid):
+        os.kill(pid, signal.SIGSTOP)  # alive but silent: a hung engine
+        frozen.append(pid)
+
+    try:
+        seen = _generate_and_hit(sgs, requests, freeze)
+    finally:
+        for pid in frozen:  # the SGS kills it; make sure of it even if the test fails first
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sgs.shutdown()
+    assert sorted(seen) == sorted(r.request_id for r in requests)
+    assert sgs.counters["sgs/faults"] == 1 and "answered no" in sgs.faults[0]["reason"]
+    assert sgs.counters["sgs/requeued"] >= 1 and len(sgs.instances) == 0  # shut down
+
+
+def test_losing_the_last_instance_with_no_restart_left_stops_with_a_named_error(ray_session, tiny_policy_dir):
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.max_restarts=0"))
+    sgs.add_instance()
+    try:
+        with pytest.raises(GenerationFailed, match="every generation instance is gone.*max_restarts=0"):
+            _generate_and_hit(sgs, _requests(tiny_policy_dir, 6), lambda pid: os.kill(pid, signal.SIGKILL))
+    finally:
+        sgs.shutdown()
+
+
+def _wait_until_lost(ref, timeout_s: float = 60.0) -> None:
+    """ray.kill is asynchronous, and Ray learns of an owner's death a little later still."""
+    import time
+
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get(ref, timeout=10)
+        except ray.exceptions.OwnerDiedError:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{ref} still readable {timeout_s}s after its owner was killed")
+
+
+def test_weights_whose_trainer_died_are_reported_as_a_trainer_failure(ray_session, tiny_policy_dir):
+    import ray
+
+    from streamrl.sgs.service import StreamGenerationService
+    from streamrl.trainer.actor import TrainerActor
+
+    cfg = _cfg(tiny_policy_dir)
+    trainer = TrainerActor.options(num_cpus=0).remote(cfg.model_dump(), 1, 0)
+    handle = ray.get(trainer.publish.remote())  # the trainer actor owns the buffer
+    sgs = StreamGenerationService(cfg)
+    sgs.add_instance()
+    try:
+        ray.kill(trainer)
+        _wait_until_lost(handle.payload)
+        with pytest.raises(TrainerFailed, match="trainer that published them died"):
+            sgs.update(handle, 1)
+        assert sgs.counters["sgs/faults"] == 0  # generation is not blamed
+    finally:
+        sgs.shutdown()
+
+
+def test_stream_async_run_trains_every_sample_once_through_instance_kills(ray_session, tiny_policy_dir):
+    """The instance is killed while idle between iterations (met by the next submit or weight
+    update), and its replacement right after the first sample of a later iteration is scored
+    (met by a poll, with the rest of that iteration unfinished). Two CPUs hold the trainer and
+    one instance, so each replacement starts in the CPU its predecessor freed."""
+    from streamrl.controller.common import PromptStream
+    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.models.tiny import load_policy
+    from streamrl.tasks.factory import make_task
+
+    cfg = _cfg(tiny_policy_dir, "mode=stream-async", "generation.prompts_per_iter=6")
+    task = make_task(cfg)
+    _, tok = load_policy(cfg.policy.path)
+    ctx = RunContext(cfg, task, tok)
+    pipe = make_pipeline(cfg, ctx)
+    stream = PromptStream(task.train_prompts(), seed=0)
+    score, killed = ctx.scorer.score, []
+
+    def score_then_kill(c, iteration):  # the scorer sees each completion as it streams in
+        if iteration == 2 and not killed:
+            killed.append(_pid(pipe.sgs, next(iter(pipe.sgs.instances))))
+            os.kill(killed[-1], signal.SIGKILL)
+        return score(c, iteration)
+
+    ctx.scorer.score = score_then_kill
+    sent = []
+    try:
+        for it in range(4):
+            if it == 1:
+                os.kill(_pid(pipe.sgs, next(iter(pipe.sgs.instances))), signal.SIGKILL)
+            prompts = stream.next_batch(cfg.generation.prompts_per_iter)
+            ctx.scorer.register(prompts)
+            samples, metrics = pipe.step(it, prompts)
+            sent.extend(s.completion.request_id for s in samples)
+        pipe.finish()
+        trained = pipe.trained_ids()
+        counters = dict(pipe.sgs.counters)
+    finally:
+        pipe.shutdown()
+    assert len(sent) == 4 * 6 * 2 and len(set(sent)) == len(sent)  # every request returned once
+    assert sorted(trained) == sorted(sent)  # and trained exactly once
+    assert counters["sgs/faults"] == 2 and counters["sgs/restarts"] == 2 and counters["sgs/requeued"] >= 1
+    assert metrics["sgs/faults"] == 2.0 and metrics["sgs/instances"] == 1.0
