@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 # The main job: local Ray cluster, tiny policy (built and cached on first run), synthetic task.
 demo: install
-	$(VENV)/bin/streamrl train configs/tiny.yaml
+	$(VENV)/bin/streamrl train configs/tiny.yaml run.overwrite=true
 
 policy: install
 	$(VENV)/bin/streamrl make-policy configs/tiny.yaml

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from streamrl.errors import RunFailure, UserError
+from streamrl.errors import RunFailure, RunInterrupted, UserError
 
 # Errors in the user's input: one line naming what is wrong and exit status 2 (`--debug`: the
 # traceback). A missing or unreadable file is nearly always one the user named (a config, a
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"streamrl: {exc.label}: {exc}", file=sys.stderr)
-        return 1
+        return 130 if isinstance(exc, RunInterrupted) else 1
 
 
 if __name__ == "__main__":

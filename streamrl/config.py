@@ -90,7 +90,9 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every k iterations; 0 = only at the end")
     keep_checkpoints: bool = Field(False, description="also keep each periodic checkpoint's policy as "
                                    "out_dir/checkpoints/iter-<k> (the latest is always out_dir/checkpoint)")
-    resume: bool = Field(False, description="resume from the latest checkpoint in out_dir")
+    resume: bool = Field(False, description="resume from the latest checkpoint in out_dir (refuses if there is none)")
+    overwrite: bool = Field(False, description="a fresh run into an out_dir that holds a run removes that run's "
+                                               "files first; without it such a run refuses")
     eval_samples: int = Field(2, ge=1, description="samples per held-out prompt (temperature as in training)")
 
 

@@ -29,3 +29,9 @@ class GenerationFailed(RunFailure):
 
 class TrainerFailed(RunFailure):
     """The trainer actor (or the weights it published) is gone."""
+
+
+class RunInterrupted(RunFailure):
+    """SIGINT: the run stopped, after a checkpoint where one could be exact (the message says)."""
+
+    label = "interrupted"

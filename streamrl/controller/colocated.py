@@ -70,6 +70,9 @@ class ColocatedWorker:
                                                   for s in samples) / max(train_s, 1e-9)})
         return metrics
 
+    def version(self) -> int:
+        return self.trainer.version
+
     def save(self, path: str, extra: dict) -> None:
         self.trainer.save_checkpoint(path, extra)
 

@@ -133,10 +133,9 @@ def user_reward(cfg: Config, reward_fn=None):
 def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, Any]:
     """One RL run as configured; ``reward_fn`` (a callable or a list, see ``tasks/user_reward.py``)
     adds to or replaces the task's verifier; each callback is called as ``cb(iteration, metrics)``
-    after every iteration. Returns the summary (also written to ``run.out_dir/summary.json``)."""
-    from streamrl.metrics.logger import MetricsLogger
-    from streamrl.models.tiny import load_policy
-
+    after every iteration. Returns the summary (also written to ``run.out_dir/summary.json``).
+    ``run.out_dir`` is locked for the run (``rundir.py``); Ctrl-C stops it after a checkpoint
+    where one is exact (``RunInterrupted`` says which)."""
     from streamrl.config import ConfigError
     from streamrl.metrics.logger import check_backends
 
@@ -144,10 +143,23 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
         check_backends(cfg.logging.backends)  # a backend whose package is missing fails before any work
     except ValueError as exc:
         raise ConfigError(f"logging.backends: {exc}") from None
+    from streamrl.controller.rundir import RunDir
+
     plan = plan_placement(cfg)  # once, before any work: an impossible plan fails here, naming the keys
     reward = user_reward(cfg, reward_fn)
-    out = Path(cfg.run.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    rundir = RunDir(cfg.run.out_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)  # locked for the run
+    try:
+        return _train(cfg, echo, reward, callbacks, plan, rundir)
+    finally:
+        rundir.close()
+
+
+def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) -> dict[str, Any]:
+    from streamrl.errors import RunInterrupted
+    from streamrl.metrics.logger import MetricsLogger
+    from streamrl.models.tiny import load_policy
+
+    out = rundir.path
     (out / "config.yaml").write_text(dump_config(cfg))
     ensure_policy(cfg, echo)
     init_ray(cfg)
@@ -155,15 +167,16 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
     _, tokenizer = load_policy(cfg.policy.path)
     ctx = RunContext(cfg, task, tokenizer, reward)
     stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
-    logger = MetricsLogger(out, backends=cfg.logging.backends, echo=echo, config=cfg)
     pipeline = make_pipeline(cfg, ctx, plan)
     start = 0
     ckpt = out / "checkpoint"
-    if cfg.run.resume and (ckpt / "trainer.pt").is_file():
+    if cfg.run.resume:  # RunDir has checked that the checkpoint exists
         extra = pipeline.load(str(ckpt))
         stream.load_state(extra["stream"])
         start = int(extra["iteration"]) + 1
-        echo(f"resumed from {ckpt} at iteration {start}")
+        dropped = rundir.cut_metrics(start)  # rows past the checkpoint belong to the run that was stopped
+        echo(f"resumed from {ckpt} at iteration {start}" + (f" ({dropped} later metric rows dropped)" if dropped else ""))
+    logger = MetricsLogger(out, backends=cfg.logging.backends, echo=echo, config=cfg)
     sample_log = None
     if cfg.logging.samples:
         from streamrl.metrics.samples import SampleLog
@@ -175,24 +188,25 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
         echo(f"held-out before RL: accuracy {before['eval/accuracy']:.3f} on {before['eval/samples']} samples")
         logger.log(0, before, echo=False)
     t_run = time.time()
-    for it in range(start, cfg.run.iterations):
-        prompts = stream.next_batch(cfg.generation.prompts_per_iter)
-        ctx.scorer.register(prompts)
-        upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < cfg.run.iterations else None
-        samples, metrics = pipeline.step(it, prompts, upcoming)
-        if sample_log is not None:
-            sample_log.write(it, samples)
-        metrics.update(_sample_metrics(samples))
-        metrics.update(ctx.reward_runner.metrics())  # already reward/...
-        if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
-            metrics.update(evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, f"it{it}"))
-        logger.log(it + 1, metrics)
-        for callback in callbacks:
-            callback(it, metrics)
-        if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
-            pipeline.save(str(ckpt), {"iteration": it, "stream": stream.state()})
-            if cfg.run.keep_checkpoints:
-                shutil.copytree(ckpt / "policy", out / "checkpoints" / f"iter-{it + 1}", dirs_exist_ok=True)
+    done_it, done_stream = start - 1, stream.state()  # the last iteration whose step returned
+    try:
+        for it in range(start, cfg.run.iterations):
+            prompts = stream.next_batch(cfg.generation.prompts_per_iter)
+            ctx.scorer.register(prompts)
+            upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < cfg.run.iterations else None
+            samples, metrics = pipeline.step(it, prompts, upcoming)
+            done_it, done_stream = it, stream.state()
+            _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logger, sample_log, callbacks,
+                           ckpt, stream, out)
+    except KeyboardInterrupt:
+        try:
+            message = _checkpoint_after_interrupt(pipeline, ckpt, done_it, start, done_stream)
+        finally:
+            _close_quietly(pipeline, sample_log, ctx, logger)
+        raise RunInterrupted(message) from None
+    except BaseException:
+        _close_quietly(pipeline, sample_log, ctx, logger)
+        raise
     pipeline.finish()
     for trained_it, train_metrics in pipeline.unreported_train_metrics():
         logger.log(trained_it + 1, train_metrics, echo=False)  # async: the last steps finish after the loop
@@ -222,6 +236,48 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
     logger.close()
     echo(f"trained policy: {final} (a Hugging Face checkpoint: AutoModelForCausalLM.from_pretrained loads it)")
     return summary
+
+
+def _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logger, sample_log, callbacks,
+                   ckpt: Path, stream, out: Path) -> None:
+    """After iteration ``it``'s step: rollout log, metrics, periodic evaluation, callbacks, checkpoint."""
+    if sample_log is not None:
+        sample_log.write(it, samples)
+    metrics.update(_sample_metrics(samples))
+    metrics.update(ctx.reward_runner.metrics())  # already reward/...
+    if cfg.run.eval_every and (it + 1) % cfg.run.eval_every == 0 and it + 1 < cfg.run.iterations:
+        metrics.update(evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, f"it{it}"))
+    logger.log(it + 1, metrics)
+    for callback in callbacks:
+        callback(it, metrics)
+    if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
+        pipeline.save(str(ckpt), {"iteration": it, "stream": stream.state()})
+        if cfg.run.keep_checkpoints:
+            shutil.copytree(ckpt / "policy", out / "checkpoints" / f"iter-{it + 1}", dirs_exist_ok=True)
+
+
+def _checkpoint_after_interrupt(pipeline, ckpt: Path, done_it: int, start: int, done_stream: dict) -> str:
+    """Save a checkpoint of iteration ``done_it`` if the trainer's state is exactly that (no
+    step on the interrupted iteration); returns what happened, for the one-line message."""
+    if done_it < start:
+        return (f"stopped before iteration {start} finished; {ckpt} was left as it was"
+                if (ckpt / "trainer.pt").is_file() else f"stopped before iteration {start} finished; no checkpoint")
+    if not pipeline.can_checkpoint_at(done_it):
+        return (f"stopped during iteration {done_it + 1}, after the trainer had stepped on part of it: no exact "
+                f"checkpoint is possible, {ckpt} was left as it was")
+    pipeline.save(str(ckpt), {"iteration": done_it, "stream": done_stream})
+    return f"checkpoint of iteration {done_it} saved in {ckpt}; continue with run.resume=true"
+
+
+def _close_quietly(pipeline, sample_log, ctx, logger) -> None:
+    """Stop the run's actors and close its files after a failure; the failure is what is reported."""
+    for close in (pipeline.shutdown, getattr(sample_log, "close", None), ctx.reward_runner.close, logger.close):
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - already failing: log and go on closing the rest
+            log.warning("while stopping after a failure: %s: %s", type(exc).__name__, exc)
 
 
 def reward_trend(rewards: list[float]) -> dict[str, float]:

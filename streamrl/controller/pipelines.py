@@ -53,6 +53,11 @@ class Pipeline:
     def save(self, path: str, extra: dict) -> None:
         raise NotImplementedError
 
+    def can_checkpoint_at(self, iteration: int) -> bool:
+        """After an interruption: whether the trainer's state is exactly "trained through
+        ``iteration``" (no step on a later, unfinished iteration), so a checkpoint there is exact."""
+        raise NotImplementedError
+
     def load(self, path: str) -> dict:
         raise NotImplementedError
 
@@ -97,6 +102,10 @@ class ColocatedPipeline(Pipeline):
 
     def save(self, path: str, extra: dict) -> None:
         trainer_get(self.worker.save.remote(path, extra), "save")
+
+    def can_checkpoint_at(self, iteration: int) -> bool:
+        # The worker runs one call at a time: this answers after an interrupted train call ends.
+        return trainer_get(self.worker.version.remote(), "version") == iteration + 1
 
     def load(self, path: str) -> dict:
         return trainer_get(self.worker.load.remote(path), "load")
@@ -269,6 +278,11 @@ class DisaggPipeline(Pipeline):
     def save(self, path: str, extra: dict) -> None:
         self.finish()
         trainer_get(self.trainer.save.remote(path, extra), "save")
+
+    def can_checkpoint_at(self, iteration: int) -> bool:
+        self.finish()  # every iteration whose step returned is trained and installed
+        partial = trainer_get(self.trainer.partial_steps.remote(), "partial_steps")
+        return partial == 0 and trainer_get(self.trainer.version.remote(), "version") == iteration + 1
 
     def load(self, path: str) -> dict:
         extra = trainer_get(self.trainer.load.remote(path), "load")

@@ -142,6 +142,11 @@ class IterationTrainer:
             self.trained_ids.extend(p.meta["request_id"] for p in items)
         self.events.append(Event("trainer", "train", self.iteration, self.trainer.version, t0, t1))
 
+    def partial_steps(self) -> int:
+        """Optimizer steps already taken on the iteration still being received (dynamic batches):
+        a checkpoint now would hold part of an iteration that a resume replays whole."""
+        return len(self.batches) if self.received < self.expected else 0
+
     def drain_events(self) -> list[Event]:
         out, self.events = self.events, []
         return out

@@ -1,0 +1,59 @@
+"""Ctrl-C on `streamrl train` (a real SIGINT to the CLI process) in stream-async: the run stops
+with a checkpoint of the last finished iteration, and the resumed run trains each remaining
+iteration once, so the logs hold every iteration exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # two CLI runs on Ray
+
+ROOT = Path(__file__).parents[1]
+
+
+def _cli(policy_dir, out, *extra) -> list[str]:
+    return [sys.executable, "-m", "streamrl.cli", "train", f"policy.path={policy_dir}", f"run.out_dir={out}",
+            "mode=stream-async", "run.iterations=6", "generation.prompts_per_iter=4", "generation.n_samples=2",
+            "generation.max_new_tokens=24", "task.num_eval=4", "run.eval_samples=1", "cluster.num_cpus=2",
+            "logging.samples=true", "logging.backends=[console,jsonl]", *extra]
+
+
+def test_sigint_checkpoints_and_the_resumed_run_trains_each_iteration_once(tiny_policy_dir, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.Popen(_cli(tiny_policy_dir, out), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # interrupt once iteration 2 (step 3) is logged
+            if line.startswith("iter") and int(line.split()[1]) == 3:
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    message = [line for line in err.splitlines() if line.startswith("streamrl: interrupted:")]
+    assert len(message) == 1 and "saved in" in message[0], err[-2000:]
+    saved = int(message[0].split("checkpoint of iteration ")[1].split()[0])
+    assert saved >= 2 and (out / "checkpoint" / "trainer.pt").is_file()
+
+    done = subprocess.run(_cli(tiny_policy_dir, out, "run.resume=true"), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from {out / 'checkpoint'} at iteration {saved + 1}" in done.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # every iteration logged once, in order, across the two runs
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    per_iter = {it: sum(r["iteration"] == it for r in samples) for it in range(6)}
+    assert per_iter == {it: 4 * 2 for it in range(6)} and len(samples) == 48
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 6 and "eval/accuracy" in summary["after"]
