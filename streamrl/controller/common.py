@@ -69,7 +69,7 @@ class RequestBuilder:
         from streamrl.models.hf import PromptFormatter
 
         self.formatter = PromptFormatter(tokenizer, cfg.task.chat_template, cfg.task.system_prompt)
-        self._encode = self.formatter.encode
+        self.encode = self.formatter.encode  # prompt text -> the ids the engine sees
         self.n = cfg.generation.n_samples
         self.max_new_tokens = cfg.generation.max_new_tokens
         self.max_prompt_tokens = cfg.task.max_prompt_tokens
@@ -78,7 +78,7 @@ class RequestBuilder:
     def build(self, prompts: list[Prompt], iteration: int, tag: str = "") -> list[GenRequest]:
         reqs = []
         for p in prompts:
-            ids = tuple(self._encode(p.text))
+            ids = tuple(self.encode(p.text))
             if len(ids) > self.max_prompt_tokens:
                 self.oversized += 1
                 log.warning("prompt %s has %d tokens > task.max_prompt_tokens=%d; not generated",

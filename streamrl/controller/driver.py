@@ -97,6 +97,57 @@ class RunContext:
         self.scorer = Scorer(task, tokenizer, self.reward_runner)
 
 
+def usable_prompts(cfg: Config, task, builder: RequestBuilder):
+    """The task's train and eval prompts that fit: at most ``task.max_prompt_tokens`` tokens as
+    the engine will see them (chat template included), and prompt + ``generation.max_new_tokens``
+    within the policy's context. The rest are dropped here, once, counted and logged (never in
+    the middle of a batch, so no batch is ever empty); if no training prompt fits, the run stops
+    naming the limit. Returns ``(train, eval, metrics)``."""
+    from streamrl.tasks.math import DataError
+
+    limit, why = cfg.task.max_prompt_tokens, f"task.max_prompt_tokens={cfg.task.max_prompt_tokens}"
+    context = _policy_context(cfg.policy.path)
+    if context is not None and context - cfg.generation.max_new_tokens < limit:
+        limit = context - cfg.generation.max_new_tokens
+        why = (f"the policy's context {context} - generation.max_new_tokens={cfg.generation.max_new_tokens}")
+    if limit < 1:
+        raise DataError(f"generation.max_new_tokens={cfg.generation.max_new_tokens} leaves no room for a prompt in "
+                        f"the policy's context ({context} tokens)")
+
+    def fits(prompts, role: str):
+        kept, over = [], []
+        for p in prompts:
+            (kept if len(builder.encode(p.text)) <= limit else over).append(p)
+        for p in over[:5]:
+            log.warning("%s prompt %s has %d tokens > %d (%s): not used", role, p.prompt_id,
+                        len(builder.encode(p.text)), limit, why)
+        if len(over) > 5:
+            log.warning("... and %d more %s prompts over %d tokens", len(over) - 5, role, limit)
+        return kept, len(over)
+
+    train, n_train = fits(task.train_prompts(), "train")
+    evals, n_eval = fits(task.eval_prompts(), "eval")
+    if not train:
+        raise DataError(f"every training prompt ({n_train}) is longer than {limit} tokens ({why})")
+    if not evals:
+        raise DataError(f"every held-out prompt ({n_eval}) is longer than {limit} tokens ({why})")
+    report = task.load_report()
+    metrics = {"data/train_prompts": float(len(train)), "data/eval_prompts": float(len(evals)),
+               "data/oversized": float(n_train + n_eval), "data/prompt_token_limit": float(limit),
+               **(report.metrics() if report is not None else {})}
+    return train, evals, metrics
+
+
+def _policy_context(path) -> int | None:
+    """``max_position_embeddings`` of the policy's config.json, if it says."""
+    from streamrl.models.hf import resolve_policy_path
+
+    try:
+        return int(json.loads((resolve_policy_path(path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def evaluate(pipeline, ctx: RunContext, prompts, samples_per_prompt: int, tag: str) -> dict[str, float]:
     """Held-out accuracy (mean verifiable reward at the training temperature) and lengths."""
     ctx.scorer.register(prompts)
@@ -162,11 +213,12 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     out = rundir.path
     (out / "config.yaml").write_text(dump_config(cfg))
     ensure_policy(cfg, echo)
-    init_ray(cfg)
-    task = make_task(cfg)
     _, tokenizer = load_policy(cfg.policy.path)
+    task = make_task(cfg)
     ctx = RunContext(cfg, task, tokenizer, reward)
-    stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)
+    train_prompts, eval_prompts, data_metrics = usable_prompts(cfg, task, ctx.builder)  # before Ray starts
+    init_ray(cfg)
+    stream = PromptStream(train_prompts, seed=cfg.run.seed)
     pipeline = make_pipeline(cfg, ctx, plan)
     start = 0
     ckpt = out / "checkpoint"
@@ -182,7 +234,8 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
         from streamrl.metrics.samples import SampleLog
 
         sample_log = SampleLog(out, start_iteration=start)
-    eval_prompts = task.eval_prompts()
+    if start == 0:
+        logger.log(0, data_metrics, echo=False)  # what the data held, and what was left out
     before = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "before") if start == 0 else {}
     if before:
         echo(f"held-out before RL: accuracy {before['eval/accuracy']:.3f} on {before['eval/samples']} samples")
@@ -227,7 +280,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     rewards = [h["reward/mean"] for h in logger.history if "reward/mean" in h]
     summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
                "rewards": rewards, "reward_trend": reward_trend(rewards),
-               "oversized_prompts": ctx.builder.oversized, "final_policy": str(final), "pipeline": pipe_stats}
+               "oversized_prompts": data_metrics["data/oversized"], "final_policy": str(final), "pipeline": pipe_stats}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pipeline.shutdown()
     if sample_log is not None:

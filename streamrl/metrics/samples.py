@@ -64,6 +64,8 @@ class SampleLog:
                    "reward": s.reward, "finish_reason": c.finish_reason, "version_start": c.version_start,
                    "version_end": c.version_end, "instance": c.instance, "response": s.response_text,
                    "prompt_ids": list(c.prompt_ids),
+                   # an errored or timed-out reward scores 0.0: flagged, so it never reads as a real 0
+                   "reward_error": s.reward_info.get("error"),
                    **_logprobs(c)}
             self._file.write(json.dumps(row) + "\n")
         self._visits.update(keys)
