@@ -112,7 +112,7 @@ class Event:
     who: str
     """The row it belongs to: ``"trainer"``, ``"gen-0"``, ``"driver"``."""
     what: str
-    """The kind of work: ``generate``, ``train``, ``prepare``, ``weight_push``, ``weight_load``,
+    """The kind of work: ``generate``, ``train``, ``prepare``, ``weight_push``, ``weight_load``, ``checkpoint``,
     ``eval``, ``idle`` (see ``metrics.timeline.STANDARD_KINDS``)."""
     iteration: int
     """RL iteration the work belongs to (-1 when none, e.g. a warm-up)."""

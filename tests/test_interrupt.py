@@ -57,3 +57,9 @@ def test_sigint_checkpoints_and_the_resumed_run_trains_each_iteration_once(tiny_
     assert per_iter == {it: 4 * 2 for it in range(6)} and len(samples) == 48
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 6 and "eval/accuracy" in summary["after"]
+    # the final weights' lineage (checkpointed, so it spans the two runs): every sample of the
+    # schedule exactly once, the logged ones included
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert len(lineage) == len(set(lineage)) == 48 and summary["trained_samples_unique"] == 48
+    logged = {f"{r['iteration']}:{r['key']}/{r['sample_idx']}" for r in samples}
+    assert set(lineage) == logged

@@ -362,6 +362,26 @@ def test_bare_rank_command_prints_help(capsys):
 
 
 # -- online use in the SGS -----------------------------------------------------------------------
+def test_online_history_restored_into_a_fresh_ranker_predicts_the_same():
+    from streamrl.ranker.online import OnlineRanker
+
+    keys, texts = ["p0", "p1", "p2", "p3"], ["D 9,1:", "S 1:", "U 1,1,9:", "S 12:"]
+    first, resumed = OnlineRanker(HistoryRanker(decay=0.3)), OnlineRanker(HistoryRanker(decay=0.3))
+    try:
+        for online in (first, resumed):
+            online.register(keys, texts)
+        for lengths in ([100, 5, 50, 10], [90, 7, 40, 12]):
+            first.observe(keys, lengths)
+        assert first.wait(timeout=30)
+        state = first.history_state()  # what a checkpoint keeps
+        assert state == {"batches": [[keys, [100.0, 5.0, 50.0, 10.0]], [keys, [90.0, 7.0, 40.0, 12.0]]]}
+        resumed.restore(state)
+        assert resumed.predict(keys).tolist() == first.predict(keys).tolist()
+    finally:
+        first.close()
+        resumed.close()
+
+
 def test_online_refresh_changes_the_ranking_after_the_policys_lengths_change():
     from streamrl.ranker.online import OnlineRanker
 

@@ -335,3 +335,39 @@ def _requests_for(policy_dir, cfg, prompts, tag):
 
     _, tok = load_policy(policy_dir)
     return RequestBuilder(tok, cfg).build(prompts, iteration=0, tag=tag)
+
+
+def test_stream_async_checkpoint_without_drain_holds_exactly_the_iterations_before_it(ray_session, tiny_policy_dir,
+                                                                                       tmp_path):
+    """The checkpoint is sent right after iteration 1's step returns, while the trainer may still
+    train iteration 1 and before iteration 2 is generated; it must hold iterations 0-1, not 2."""
+    import torch
+
+    from streamrl.controller.common import PromptStream
+    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.models.tiny import load_policy
+    from streamrl.tasks.factory import make_task
+
+    cfg = _cfg(tiny_policy_dir, "mode=stream-async", "generation.num_instances=1")
+    task = make_task(cfg)
+    _, tok = load_policy(cfg.policy.path)
+    ctx = RunContext(cfg, task, tok)
+    pipe = make_pipeline(cfg, ctx)
+    stream = PromptStream(task.train_prompts(), seed=0)
+    ids: dict[int, list[str]] = {}
+    try:
+        for it in range(3):
+            prompts = stream.next_batch(cfg.generation.prompts_per_iter)
+            ctx.scorer.register(prompts)
+            samples, _ = pipe.step(it, prompts)
+            ids[it] = [s.completion.request_id for s in samples]
+            if it == 1:
+                pipe.checkpoint(str(tmp_path / "ckpt"), {"iteration": 1, "stream": stream.state()})
+        pipe.finish()
+        events = pipe.timeline.events()
+    finally:
+        pipe.shutdown()
+    state = torch.load(tmp_path / "ckpt" / "trainer.pt", weights_only=False)
+    assert state["version"] == 2 and state["extra"]["iteration"] == 1
+    assert sorted(state["extra"]["lineage"]) == sorted(ids[0] + ids[1])
+    assert [e.version for e in events if e.what == "checkpoint"] == [2]

@@ -45,6 +45,7 @@ class ColocatedWorker:
         self.engine = make_engine(cfg.generation.engine, engine_model,
                                   **engine_kwargs(cfg, self.trainer.tokenizer, threads, "colocated-0", cfg.run.seed))
         self.algo = cfg.trainer.algo
+        self.lineage: list[str] = []  # every request id the current weights were trained on: checkpointed
 
     def generate(self, requests: list[GenRequest]) -> tuple[list[Completion], float]:
         t0 = time.time()
@@ -61,6 +62,7 @@ class ColocatedWorker:
         if self.algo == "grpo":
             tr.set_group_advantages(groups)
         metrics = tr.train_iteration(groups)
+        self.lineage.extend(s.completion.request_id for s in samples)
         train_s = time.time() - t0
         t1 = time.time()
         version = tr.finish_iteration()
@@ -73,11 +75,19 @@ class ColocatedWorker:
     def version(self) -> int:
         return self.trainer.version
 
-    def save(self, path: str, extra: dict) -> None:
-        self.trainer.save_checkpoint(path, extra)
+    def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+        self.trainer.save_checkpoint(path, {**extra, "lineage": list(self.lineage)})
+        if keep_as:
+            import shutil
+
+            shutil.copytree(f"{path}/policy", keep_as, dirs_exist_ok=True)
+
+    def get_lineage(self) -> list[str]:
+        return list(self.lineage)
 
     def load(self, path: str) -> dict:
         extra = self.trainer.load_checkpoint(path)
+        self.lineage = list(extra.pop("lineage", []))
         self.engine.update_weights(self.trainer.policy_state(), self.trainer.version)
         return extra
 

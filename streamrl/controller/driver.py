@@ -225,6 +225,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     if cfg.run.resume:  # RunDir has checked that the checkpoint exists
         extra = pipeline.load(str(ckpt))
         stream.load_state(extra["stream"])
+        pipeline.restore_ranker(extra.get("ranker"))
         start = int(extra["iteration"]) + 1
         dropped = rundir.cut_metrics(start)  # rows past the checkpoint belong to the run that was stopped
         echo(f"resumed from {ckpt} at iteration {start}" + (f" ({dropped} later metric rows dropped)" if dropped else ""))
@@ -275,11 +276,14 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
         pipe_stats["gantt"] = str(out / "gantt.png")
     after = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "after")
     logger.log(cfg.run.iterations + 1, after, echo=False)
-    pipeline.save(str(ckpt), {"iteration": cfg.run.iterations - 1, "stream": stream.state()})
+    pipeline.save(str(ckpt), _extra(pipeline, cfg.run.iterations - 1, stream.state()))
+    lineage = pipeline.lineage()
+    (out / "lineage.json").write_text(json.dumps(lineage))  # what the final weights were trained on
     final = export_policy(ckpt / "policy", out / "policy", save_dtype(cfg))
     rewards = [h["reward/mean"] for h in logger.history if "reward/mean" in h]
     summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
                "rewards": rewards, "reward_trend": reward_trend(rewards),
+               "trained_samples": len(lineage), "trained_samples_unique": len(set(lineage)),
                "oversized_prompts": data_metrics["data/oversized"], "final_policy": str(final), "pipeline": pipe_stats}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pipeline.shutdown()
@@ -304,9 +308,13 @@ def _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logge
     for callback in callbacks:
         callback(it, metrics)
     if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
-        pipeline.save(str(ckpt), {"iteration": it, "stream": stream.state()})
-        if cfg.run.keep_checkpoints:
-            shutil.copytree(ckpt / "policy", out / "checkpoints" / f"iter-{it + 1}", dirs_exist_ok=True)
+        keep = str(out / "checkpoints" / f"iter-{it + 1}") if cfg.run.keep_checkpoints else None
+        pipeline.checkpoint(str(ckpt), _extra(pipeline, it, stream.state()), keep_as=keep)
+
+
+def _extra(pipeline, iteration: int, stream_state: dict) -> dict:
+    """What a checkpoint keeps beside the trainer's state: where the run is, and the ranker's history."""
+    return {"iteration": iteration, "stream": stream_state, "ranker": pipeline.ranker_state()}
 
 
 def _checkpoint_after_interrupt(pipeline, ckpt: Path, done_it: int, start: int, done_stream: dict) -> str:
@@ -318,7 +326,7 @@ def _checkpoint_after_interrupt(pipeline, ckpt: Path, done_it: int, start: int, 
     if not pipeline.can_checkpoint_at(done_it):
         return (f"stopped during iteration {done_it + 1}, after the trainer had stepped on part of it: no exact "
                 f"checkpoint is possible, {ckpt} was left as it was")
-    pipeline.save(str(ckpt), {"iteration": done_it, "stream": done_stream})
+    pipeline.save(str(ckpt), _extra(pipeline, done_it, done_stream))
     return f"checkpoint of iteration {done_it} saved in {ckpt}; continue with run.resume=true"
 
 

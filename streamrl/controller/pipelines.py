@@ -50,8 +50,24 @@ class Pipeline:
         """``(iteration, metrics)`` of finished training steps no ``step`` has returned yet."""
         return []
 
-    def save(self, path: str, extra: dict) -> None:
+    def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+        """Checkpoint now, after every pending training step (blocking)."""
         raise NotImplementedError
+
+    def checkpoint(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+        """Checkpoint the state after the last iteration whose ``step`` returned, without waiting
+        for it where the mode allows (``save`` by default)."""
+        self.save(path, extra, keep_as)
+
+    def lineage(self) -> list[str]:
+        """Every request id the current weights were trained on (restored across resumes)."""
+        raise NotImplementedError
+
+    def ranker_state(self) -> dict | None:
+        return None
+
+    def restore_ranker(self, state: dict | None) -> None:
+        """Give a resumed run's ranker the stopped run's history."""
 
     def can_checkpoint_at(self, iteration: int) -> bool:
         """After an interruption: whether the trainer's state is exactly "trained through
@@ -100,8 +116,11 @@ class ColocatedPipeline(Pipeline):
     def finish(self) -> None:
         """Nothing is ever pending: every call blocks."""
 
-    def save(self, path: str, extra: dict) -> None:
-        trainer_get(self.worker.save.remote(path, extra), "save")
+    def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+        trainer_get(self.worker.save.remote(path, extra, keep_as), "save")
+
+    def lineage(self) -> list[str]:
+        return trainer_get(self.worker.get_lineage.remote(), "lineage")
 
     def can_checkpoint_at(self, iteration: int) -> bool:
         # The worker runs one call at a time: this answers after an interrupted train call ends.
@@ -157,6 +176,7 @@ class DisaggPipeline(Pipeline):
         self._reported: set[int] = set()  # iterations whose training metrics went out with a step
         self.timeline = Timeline()
         self._last_step_end = None
+        self._saves: list[ray.ObjectRef] = []  # checkpoints sent to the trainer, not yet confirmed
 
     # ------------------------------------------------------------------------------ weights
     def _result(self, it: int) -> TrainResult:
@@ -259,9 +279,11 @@ class DisaggPipeline(Pipeline):
         return [(it, {**self.results[it].metrics, "train/iteration": it}) for it in late]
 
     def finish(self) -> None:
-        """Wait for every pending training result and install the newest weights."""
+        """Wait for every pending training result and checkpoint, and install the newest weights."""
         for it in sorted(self.pending):
             self._result(it)
+        while self._saves:
+            trainer_get(self._saves.pop(0), "checkpoint")
         if self.results:
             last = self.results[max(self.results)]
             if last.version > self.sgs.version:
@@ -275,9 +297,25 @@ class DisaggPipeline(Pipeline):
     def trained_ids(self) -> list[str]:
         return trainer_get(self.trainer.drain_trained_ids.remote(), "drain_trained_ids")
 
-    def save(self, path: str, extra: dict) -> None:
+    def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
         self.finish()
-        trainer_get(self.trainer.save.remote(path, extra), "save")
+        trainer_get(self.trainer.save.remote(path, extra, keep_as), "save")
+
+    def checkpoint(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+        """No drain: the trainer actor runs calls in order, so a ``save`` sent now runs right after
+        the last ``add_groups`` of the iteration that just returned and before any group of the
+        next one, while the instances go on generating; its errors surface at ``finish``."""
+        self._saves.append(self.trainer.save.remote(path, extra, keep_as))
+
+    def lineage(self) -> list[str]:
+        return trainer_get(self.trainer.get_lineage.remote(), "lineage")
+
+    def ranker_state(self) -> dict | None:
+        return self.sgs.ranker.history_state() if self.sgs.ranker is not None else None
+
+    def restore_ranker(self, state: dict | None) -> None:
+        if self.sgs.ranker is not None:
+            self.sgs.ranker.restore(state)
 
     def can_checkpoint_at(self, iteration: int) -> bool:
         self.finish()  # every iteration whose step returned is trained and installed

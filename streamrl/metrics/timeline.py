@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 from streamrl.types import Event  # noqa: F401  (the record; re-exported for callers of the timeline)
 
-STANDARD_KINDS = ("generate", "train", "prepare", "weight_push", "weight_load", "eval", "idle")
+STANDARD_KINDS = ("generate", "train", "prepare", "weight_push", "weight_load", "checkpoint", "eval", "idle")
 NOT_BUSY = frozenset({"idle"})
 
 

@@ -81,6 +81,7 @@ class OnlineRanker:
         self._busy = 0
         self._error: BaseException | None = None
         self._closed = False
+        self._history: list[tuple[list[str], list[float]]] = []  # every observed batch (keys, lengths): checkpointed
         self.counters = {"rank/refreshes": 0, "rank/refresh_s": 0.0, "rank/unknown": 0, "rank/scored_on_demand": 0,
                          "rank/unregistered_skipped": 0}
         self._thread = threading.Thread(target=self._loop, name="ranker-refresh", daemon=True)
@@ -156,9 +157,22 @@ class OnlineRanker:
             self.counters["rank/unregistered_skipped"] += len(keys) - len(known)
             if not known:
                 return
+            self._history.append(([keys[i] for i in known], [lens[i] for i in known]))
         use_traces = traces is not None and self.ranker.uses_traces
         self._put(("observe", [keys[i] for i in known], [lens[i] for i in known],
                    [traces[i] for i in known] if use_traces else None))
+
+    def history_state(self) -> dict:
+        """Every batch of (key, length) observed so far: what a checkpoint keeps so that a resumed
+        run's ranker has seen what the stopped run's had, batch by batch."""
+        with self._lock:
+            return {"batches": [[list(k), list(v)] for k, v in self._history]}
+
+    def restore(self, state: dict | None) -> None:
+        """Observe a checkpoint's batches again, in order (lengths only: no traces), and wait."""
+        for keys, lengths in (state or {}).get("batches", []):
+            self.observe(keys, lengths)
+        self.wait()
 
     def set_policy(self, load, version: int) -> None:
         """Queue installing policy ``version`` (``load()`` gives its state dict); a no-op for text rankers."""

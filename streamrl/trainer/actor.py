@@ -63,6 +63,7 @@ class IterationTrainer:
         self._reset(-1, 0)
         self.events: list[Event] = []
         self.trained_ids: list[str] = []
+        self.lineage: list[str] = []  # every request id the current weights were trained on: checkpointed
 
     def _reset(self, iteration: int, expected: int) -> None:
         self.iteration, self.expected, self.received = iteration, expected, 0
@@ -140,6 +141,7 @@ class IterationTrainer:
         if record:
             self.batches.append(batch)
             self.trained_ids.extend(p.meta["request_id"] for p in items)
+            self.lineage.extend(p.meta["request_id"] for p in items)
         self.events.append(Event("trainer", "train", self.iteration, self.trainer.version, t0, t1))
 
     def partial_steps(self) -> int:
@@ -158,11 +160,25 @@ class IterationTrainer:
     def parameters_vector(self):
         return self.trainer.parameters_vector()
 
-    def save(self, path: str, extra: dict) -> None:
-        self.trainer.save_checkpoint(path, extra)
+    def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+        """Write the checkpoint (with the lineage); ``keep_as``: also copy its policy there. Called
+        as an actor method it runs between two ``add_groups`` calls, i.e. exactly after the last
+        iteration whose groups came before it, while generation goes on elsewhere."""
+        t0 = time.time()
+        self.trainer.save_checkpoint(path, {**extra, "lineage": list(self.lineage)})
+        if keep_as:
+            import shutil
+
+            shutil.copytree(f"{path}/policy", keep_as, dirs_exist_ok=True)
+        self.events.append(Event("trainer", "checkpoint", self.iteration, self.trainer.version, t0, time.time()))
 
     def load(self, path: str) -> dict:
-        return self.trainer.load_checkpoint(path)
+        extra = self.trainer.load_checkpoint(path)
+        self.lineage = list(extra.pop("lineage", []))
+        return extra
+
+    def get_lineage(self) -> list[str]:
+        return list(self.lineage)
 
     def shutdown(self) -> None:
         """Stop the FSDP2 ranks and free their placement group: a placement group lives as long as
