@@ -250,6 +250,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
             upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < cfg.run.iterations else None
             samples, metrics = pipeline.step(it, prompts, upcoming)
             done_it, done_stream = it, stream.state()
+            _write_faults(out, it, pipeline.take_faults())
             _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logger, sample_log, callbacks,
                            ckpt, stream, out)
     except KeyboardInterrupt:
@@ -310,6 +311,15 @@ def _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logge
     if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
         keep = str(out / "checkpoints" / f"iter-{it + 1}") if cfg.run.keep_checkpoints else None
         pipeline.checkpoint(str(ckpt), _extra(pipeline, it, stream.state()), keep_as=keep)
+
+
+def _write_faults(out: Path, iteration: int, faults: list[dict]) -> None:
+    """Append generation faults (instance, reason, wall times of detection and replacement) to
+    ``out_dir/faults.jsonl``: a resumed run appends to the stopped run's, both are history."""
+    if faults:
+        with open(out / "faults.jsonl", "a") as f:
+            for fault in faults:
+                f.write(json.dumps({"iteration": iteration, **fault}) + "\n")
 
 
 def _extra(pipeline, iteration: int, stream_state: dict) -> dict:

@@ -66,6 +66,10 @@ class Pipeline:
     def ranker_state(self) -> dict | None:
         return None
 
+    def take_faults(self) -> list[dict]:
+        """Generation faults (``sgs.faults`` records) since the last call."""
+        return []
+
     def restore_ranker(self, state: dict | None) -> None:
         """Give a resumed run's ranker the stopped run's history."""
 
@@ -177,6 +181,7 @@ class DisaggPipeline(Pipeline):
         self.timeline = Timeline()
         self._last_step_end = None
         self._saves: list[ray.ObjectRef] = []  # checkpoints sent to the trainer, not yet confirmed
+        self._faults_seen = 0
 
     # ------------------------------------------------------------------------------ weights
     def _result(self, it: int) -> TrainResult:
@@ -312,6 +317,11 @@ class DisaggPipeline(Pipeline):
 
     def ranker_state(self) -> dict | None:
         return self.sgs.ranker.history_state() if self.sgs.ranker is not None else None
+
+    def take_faults(self) -> list[dict]:
+        new = self.sgs.faults[self._faults_seen:]
+        self._faults_seen = len(self.sgs.faults)
+        return [dict(f) for f in new]
 
     def restore_ranker(self, state: dict | None) -> None:
         if self.sgs.ranker is not None:

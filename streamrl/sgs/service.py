@@ -170,6 +170,28 @@ class StreamGenerationService:
         return {"num_cpus": bundle["CPU"], "num_gpus": bundle["GPU"], "resources": {**labels, **g.resources}}
 
     def add_instance(self) -> str:
+        """Start one instance (with the current weights) and return its name. One that dies while
+        starting counts as a fault and is started again, within ``generation.max_restarts``."""
+        g = self.cfg.generation
+        while True:
+            try:
+                name = self._start_instance()
+            except ray.exceptions.RayActorError as exc:
+                self.counters["sgs/faults"] += 1
+                self.faults.append({"instance": "(starting)", "reason": f"died while starting ({type(exc).__name__})",
+                                    "time": time.time(), "requeued": 0, "replacement": None, "replaced_at": None})
+                if not (g.restart and self.counters["sgs/restarts"] < g.max_restarts):
+                    raise GenerationFailed(f"a generation instance died while starting ({type(exc).__name__}) and "
+                                           f"no restart is left (generation.max_restarts={g.max_restarts})") from None
+                self.counters["sgs/restarts"] += 1
+                log.warning("a generation instance died while starting; starting another")
+                continue
+            for record in self.faults:  # the starts that died before this one are recovered now
+                if record["instance"] == "(starting)" and record["replaced_at"] is None:
+                    record["replacement"], record["replaced_at"] = name, time.time()
+            return name
+
+    def _start_instance(self) -> str:
         g = self.cfg.generation
         name = next(self._names)
         options = self._instance_options(self.counters["sgs/instances_added"])
@@ -251,14 +273,17 @@ class StreamGenerationService:
         for req in orphans:
             del self.assigned[req.request_id]
         self.counters["sgs/faults"] += 1
-        self.faults.append({"instance": name, "reason": reason, "time": time.time(), "requeued": len(orphans)})
+        record = {"instance": name, "reason": reason, "time": time.time(), "requeued": len(orphans), "replacement": None,
+                  "replaced_at": None}
+        self.faults.append(record)
         g = self.cfg.generation
         if g.restart and self.counters["sgs/restarts"] < g.max_restarts:
             self.counters["sgs/restarts"] += 1
             try:
                 log.warning("starting a replacement for %s (%d of generation.max_restarts=%d)", name,
                             self.counters["sgs/restarts"], g.max_restarts)
-                self.add_instance()
+                record["replacement"] = self.add_instance()
+                record["replaced_at"] = time.time()
             except GenerationFailed as exc:
                 if not self.instances:
                     raise
