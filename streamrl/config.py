@@ -171,6 +171,9 @@ class TaskConfig(_Section):
     max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are rejected with a counted error")
     partial_credit: float = Field(0.0, ge=0, lt=1, description="synthetic task: credit for a correct chain prefix "
                                   "(exact solutions score 1.0, accuracy counts only those)")
+    length_ramp: bool = Field(False, description="synthetic task: training prompts in order of solution length, "
+                                                 "shortest first, every epoch (no shuffle): response lengths grow "
+                                                 "through each epoch (the elastic workload)")
 
     @field_validator("reward")
     @classmethod
@@ -246,6 +249,17 @@ class GenerationConfig(_Section):
     cb_attention: Literal["varlen", "dense"] = Field(
         "varlen", description="transformers engine on CPU: 'varlen' attends each request to its own keys "
                               "(sgs/engines/varlen_attention.py); 'dense' is transformers' packed masked attention")
+    elastic: bool = Field(False, description="scale the instance count live: add one when generation lags "
+                                             "training by at least what one more instance saves (PAPER.md 3.4), "
+                                             "remove one when generation keeps outpacing training")
+    min_instances: int = Field(1, ge=1, description="elastic: fewest instances")
+    max_instances: int | None = Field(None, ge=1, description="elastic: most instances (default num_instances + 1); "
+                                      "the placement reserves CPUs for this many")
+    scale_down_patience: int = Field(3, ge=1, description="elastic: iterations in a row that generation must outpace "
+                                     "training (with one instance fewer) before one is removed, and the iterations "
+                                     "after any change before another removal")
+    scale_down_margin: float = Field(0.25, ge=0, lt=1, description="elastic: remove one only if generation with one "
+                                     "instance fewer is predicted at most (1 - margin) x the training time")
     restart: bool = Field(True, description="start a replacement (with the current weights) for an instance that "
                                             "died or stopped answering")
     max_restarts: int = Field(8, ge=0, description="replacements started over the whole run, at most")

@@ -78,6 +78,13 @@ def plan_placement(cfg: Config) -> PlacementPlan:
     return _plan_gpu(cfg)
 
 
+def elastic_max(cfg: Config) -> int:
+    """The most instances an elastic run may hold: ``generation.max_instances``, default one
+    more than it starts with."""
+    g = cfg.generation
+    return g.max_instances if g.max_instances is not None else g.num_instances + 1
+
+
 def _plan_cpu(cfg: Config) -> PlacementPlan:
     g, t = cfg.generation, cfg.trainer
     node = Node("local", "cpu", 0, cfg.cluster.num_cpus)
@@ -88,14 +95,16 @@ def _plan_cpu(cfg: Config) -> PlacementPlan:
     else:
         trainer = (Bundle("trainer-rank-0", {"CPU": float(t.threads)}, node.name),)
         trainer_desc = f"trainer.threads ({t.threads})"
+    count = max(g.num_instances, elastic_max(cfg)) if g.elastic else g.num_instances
     gen = tuple(Bundle(f"gen-{i}", {"CPU": float(g.threads_per_instance), **g.resources}, node.name)
-                for i in range(g.num_instances))
+                for i in range(count))
     need = sum(b.resources["CPU"] for b in trainer + gen)
     notes = []
     if cfg.mode == "colocated":
         notes.append("colocated: one worker time-shares generation and training")
     elif need > cfg.cluster.num_cpus and cfg.cluster.address is None:
-        raise ConfigError(f"placement: {trainer_desc} + generation.num_instances ({g.num_instances}) x "
+        raise ConfigError(f"placement: {trainer_desc} + generation."
+                          f"{'max_instances' if g.elastic else 'num_instances'} ({count}) x "
                           f"generation.threads_per_instance ({g.threads_per_instance}) = {need:g} CPUs, but "
                           f"cluster.num_cpus={cfg.cluster.num_cpus}")
     if t.backend == "fsdp":

@@ -339,3 +339,29 @@ def test_remaining_estimate_uses_progress_and_the_recent_overshoot_hand_worked()
     assert remaining_estimate(30, 45, 60, recent) == 15  # never more than the token budget left
     assert remaining_estimate(30, 150, 400, recent) == 150  # nothing recent got this far: doubling
     assert remaining_estimate(5, 5, 200, []) == 5 and remaining_estimate(0, 0, 200, []) == 1  # at least 1
+
+
+def test_predicted_generation_time_scales_with_instances_but_not_below_the_longest_request():
+    from streamrl.policies.elastic import predict_gen_time
+
+    assert predict_gen_time(12.0, 2, 3, t_tail=1.0) == pytest.approx(8.0)
+    assert predict_gen_time(12.0, 2, 4, t_tail=9.0) == 9.0  # the tail: one request runs alone
+    assert predict_gen_time(12.0, 2, 1, t_tail=1.0) == pytest.approx(24.0)
+
+
+def test_elastic_scaler_adds_under_lag_removes_only_after_patience_and_does_not_flap():
+    from streamrl.policies.elastic import ElasticScaler
+
+    sc = ElasticScaler(min_instances=1, max_instances=3, patience=3, margin=0.25)
+    assert sc.decide(1, t_gen=10.0, t_train=4.0, t_tail=1.0) == 1   # lag 6 >= the 5 one more instance saves
+    assert sc.decide(2, t_gen=5.0, t_train=4.0, t_tail=1.0) == 0    # lag 1 < 1.67 saved: stay
+    assert sc.decide(3, t_gen=3.0, t_train=4.0, t_tail=1.0) == 0    # at the cap, and generation is ahead
+    # generation far ahead: with one fewer (3 -> 2: 4.5 s) it would still beat (1 - 0.25) x 8 = 6 s
+    decisions = [sc.decide(3, t_gen=3.0, t_train=8.0, t_tail=1.0) for _ in range(3)]
+    assert decisions == [0, 0, -1]  # only after three such iterations in a row
+    assert sc.decide(2, t_gen=4.5, t_train=8.0, t_tail=1.0) == 0  # the removal is not undone
+    # one fast iteration among slow ones never removes
+    sc2 = ElasticScaler(min_instances=1, max_instances=3, patience=3, margin=0.25)
+    assert [sc2.decide(2, t, 8.0, 1.0) for t in (3.0, 5.9, 3.0, 5.9, 3.0)] == [0] * 5
+    # wholly tail-bound (the longest request is the whole stage): one more instance saves nothing
+    assert ElasticScaler(1, 2).decide(1, t_gen=10.0, t_train=4.0, t_tail=10.0) == 0

@@ -211,7 +211,7 @@ def scheduled_ids(cfg: Config) -> dict[tuple[int, str], int]:
     _, tok = load_policy(cfg.policy.path)
     task = make_task(cfg)
     train, _, _ = usable_prompts(cfg, task, RunContext(cfg, task, tok).builder)
-    stream = PromptStream(train, seed=cfg.run.seed)
+    stream = PromptStream(train, seed=cfg.run.seed, shuffle=not getattr(task, "ordered", False))
     out: dict[tuple[int, str], int] = Counter()
     for it in range(cfg.run.iterations):
         for p in stream.next_batch(cfg.generation.prompts_per_iter):

@@ -20,12 +20,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PromptStream:
-    """Training prompts in a seeded order, reshuffled every epoch; its position is checkpointed."""
+    """Training prompts in a seeded order, reshuffled every epoch (``shuffle=False``: in the
+    task's own order, every epoch); its position is checkpointed."""
 
     prompts: list[Prompt]
     seed: int
     epoch: int = 0
     index: int = 0
+    shuffle: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -34,7 +36,8 @@ class PromptStream:
 
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
-        random.Random(self.seed * 7919 + epoch).shuffle(order)
+        if self.shuffle:
+            random.Random(self.seed * 7919 + epoch).shuffle(order)
         return order
 
     def next_batch(self, k: int) -> list[Prompt]:
@@ -49,7 +52,7 @@ class PromptStream:
 
     def peek_batch(self, k: int) -> list[Prompt]:
         """The batch ``next_batch(k)`` would return, without moving the stream."""
-        ahead = PromptStream(self.prompts, self.seed, self.epoch, self.index)
+        ahead = PromptStream(self.prompts, self.seed, self.epoch, self.index, self.shuffle)
         return ahead.next_batch(k)
 
     def state(self) -> dict:

@@ -218,7 +218,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     ctx = RunContext(cfg, task, tokenizer, reward)
     train_prompts, eval_prompts, data_metrics = usable_prompts(cfg, task, ctx.builder)  # before Ray starts
     init_ray(cfg)
-    stream = PromptStream(train_prompts, seed=cfg.run.seed)
+    stream = PromptStream(train_prompts, seed=cfg.run.seed, shuffle=not getattr(task, "ordered", False))
     pipeline = make_pipeline(cfg, ctx, plan)
     start = 0
     ckpt = out / "checkpoint"

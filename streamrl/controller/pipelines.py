@@ -182,6 +182,14 @@ class DisaggPipeline(Pipeline):
         self._last_step_end = None
         self._saves: list[ray.ObjectRef] = []  # checkpoints sent to the trainer, not yet confirmed
         self._faults_seen = 0
+        self.scaler = None
+        if cfg.generation.elastic:
+            from streamrl.placement import elastic_max
+            from streamrl.policies.elastic import ElasticScaler
+
+            g = cfg.generation
+            self.scaler = ElasticScaler(g.min_instances, elastic_max(cfg), g.scale_down_patience, g.scale_down_margin)
+        self._t_train: float | None = None  # the latest finished training iteration's time
 
     # ------------------------------------------------------------------------------ weights
     def _result(self, it: int) -> TrainResult:
@@ -269,12 +277,35 @@ class DisaggPipeline(Pipeline):
                 metrics.update(self.results[late[0]].metrics)
                 metrics["train/iteration"] = late[0]
                 self._reported.add(late[0])
+        if self.scaler is not None:
+            metrics.update(self._scale(metrics, samples))
         metrics["time/step_s"] = time.time() - (self._last_step_end or t0)
         self._last_step_end = time.time()
         # Instance events only: a call to the trainer actor would queue behind its training
         # work and turn the asynchronous pipeline back into a synchronous one.
         self._collect_events(trainer=self.max_staleness == 0)
         return samples, metrics
+
+    def _scale(self, metrics: dict, samples) -> dict[str, float]:
+        """Elastic SGS, between two iterations (no request in flight): T_gen of this iteration
+        against the latest finished T_train (prepare included); one instance more or fewer, as
+        ``ElasticScaler`` decides; a new instance installs the current weights first."""
+        if "time/train_s" in metrics:
+            self._t_train = metrics["time/train_s"] + metrics.get("time/prepare_s", 0.0)
+        k = len(self.sgs.instances)
+        out = {"elastic/decision": 0.0, "gen/instances": float(k)}
+        if self._t_train is None or not samples:
+            return out
+        t_gen = metrics["time/gen_s"]
+        t_tail = max(s.completion.t_end - s.completion.t_start for s in samples)
+        decision = self.scaler.decide(k, t_gen, self._t_train, t_tail)
+        if decision > 0:
+            self.sgs.add_instance()
+        elif decision < 0:
+            self.sgs.retire_instance(list(self.sgs.instances)[-1])  # the newest goes first
+        out.update({"elastic/decision": float(decision), "gen/instances": float(len(self.sgs.instances)),
+                    "elastic/t_gen_s": t_gen, "elastic/t_train_s": self._t_train, "elastic/t_tail_s": t_tail})
+        return out
 
     def unreported_train_metrics(self) -> list[tuple[int, dict]]:
         """``(iteration, metrics)`` of finished training steps no ``step`` has returned yet (the

@@ -46,3 +46,53 @@ class ElasticRule:
         if instances >= self.max_instances:
             return 0
         return int(delta > 0 and 0 < t_gen - t_gen_plus_one <= delta)
+
+
+def predict_gen_time(t_gen: float, instances: int, new_instances: int, t_tail: float) -> float:
+    """``P_gen`` from a measured iteration: a throughput-bound stage scales with the instance
+    count, but never below its longest single request (``t_tail``), which one instance must run
+    alone whatever the count (the long tail)."""
+    if instances < 1 or new_instances < 1:
+        raise ValueError(f"instance counts must be >= 1, got {instances} -> {new_instances}")
+    return max(t_gen * instances / new_instances, min(t_tail, t_gen))
+
+
+@dataclass
+class ElasticScaler:
+    """The live controller's decision per iteration: +1, -1 or 0 instances.
+
+    Up: the paper's rule (``ElasticRule``) with ``P_gen(k + 1)`` from ``predict_gen_time``.
+    Down (beyond the paper): when generation with one instance fewer is still predicted at most
+    ``(1 - margin) x T_train`` for ``patience`` iterations in a row, and no change happened in
+    the last ``patience`` iterations. The margin keeps a removal from being undone by the up rule
+    at once (with ``k - 1`` instances generation stays faster than training), the patience keeps
+    one fast iteration from removing anything: together they stop flapping."""
+
+    min_instances: int
+    max_instances: int
+    patience: int = 3
+    margin: float = 0.25
+    smoothing: float = 0.0
+    _low: int = field(default=0, init=False, repr=False)
+    _since_change: int = field(default=10**9, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_instances <= self.max_instances:
+            raise ValueError(f"need 1 <= min_instances ({self.min_instances}) <= max_instances ({self.max_instances})")
+        self.rule = ElasticRule(self.max_instances, self.smoothing)
+
+    def decide(self, instances: int, t_gen: float, t_train: float, t_tail: float) -> int:
+        self._since_change += 1
+        plus_one = predict_gen_time(t_gen, instances, instances + 1, t_tail)
+        if self.rule.decide(instances, t_gen, t_train, plus_one):
+            self._low, self._since_change = 0, 0
+            return 1
+        if instances > self.min_instances and predict_gen_time(t_gen, instances, instances - 1, t_tail) <= (
+                1 - self.margin) * t_train:
+            self._low += 1
+        else:
+            self._low = 0
+        if self._low >= self.patience and self._since_change >= self.patience:
+            self._low, self._since_change = 0, 0
+            return -1
+        return 0

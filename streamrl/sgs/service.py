@@ -109,6 +109,7 @@ class StreamGenerationService:
         self._armed_at: dict[ray.ObjectRef, float] = {}  # poll ref -> perf_counter when sent (heartbeat)
         self.heartbeat_s = g.heartbeat_timeout_s
         self.faults: list[dict] = []  # one record per failed instance: name, reason, wall time, requeued
+        self._early: list[Completion] = []  # polled while retiring an instance: handed out by the next poll
         self._names = (f"gen-{i}" for i in itertools.count())
         self._handle = None
         self.version = 0
@@ -214,6 +215,43 @@ class StreamGenerationService:
         self.instances[name] = actor
         self.counters["sgs/instances_added"] += 1
         return name
+
+    def retire_instance(self, name: str) -> int:
+        """Scale down by one, losing no work: ``name``'s unfinished requests are stopped there
+        (queued ones as they are, running ones with their prefix, as rebalancing does) and
+        dispatched to the others, then it shuts down. Returns how many requests moved."""
+        if name not in self.instances:
+            raise KeyError(f"no generation instance {name!r}; have {sorted(self.instances)}")
+        if len(self.instances) == 1:
+            raise RuntimeError(f"cannot retire {name!r}: it is the last instance")
+        mine = [rid for rid, (inst, _) in self.assigned.items() if inst == name]
+        parts = self._gather({name: self.instances[name].preempt.remote(mine, True)}, "preempt").get(name, [])
+        if name not in self.instances:  # it failed while being retired: _fail re-dispatched its requests
+            return len(mine)
+        moved = [self._continuation(p) for p in parts]
+        for req in moved:
+            self.assigned.pop(req.request_id, None)
+        actor = self.instances.pop(name)
+        self._progress.pop(name, None)
+        for ref in [r for r, n in self._polls.items() if n == name]:
+            del self._polls[ref]
+            self._armed_at.pop(ref, None)
+        # what it did not stop (finishing now) still comes back through its last poll: wait for those
+        left = [rid for rid, (inst, _) in self.assigned.items() if inst == name]
+        if left:
+            self.instances[name] = actor  # keep polling it until they are in
+            while any(inst == name for inst, _ in self.assigned.values()):
+                self._early.extend(self.poll(timeout=1.0))
+            self.instances.pop(name)
+        if moved:
+            self._dispatch_and_send(moved, [self.predicted.get(r.request_id, 1.0) for r in moved])
+        try:
+            ray.get(actor.shutdown.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - it is going away either way
+            pass
+        ray.kill(actor)
+        self.counters["sgs/instances_removed"] += 1
+        return len(moved)
 
     def remove_instance(self, name: str) -> int:
         """Kill ``name`` and re-submit its unfinished requests elsewhere; returns how many moved."""
@@ -365,6 +403,9 @@ class StreamGenerationService:
 
     def poll(self, timeout: float = 1.0) -> list[Completion]:
         """Completions that finished since the last call (possibly none after ``timeout``)."""
+        if self._early:
+            out, self._early = self._early, []
+            return out
         counts = self._unfinished_counts()
         # Progress is read only while a rebalancing check could act (some instance has free slots:
         # plan_round returns nothing otherwise); until then a plain poll, and no 0.1 s wake-ups.

@@ -15,7 +15,7 @@ def make_task(cfg: "Config"):
         from streamrl.tasks.synthetic import SyntheticTask
 
         return SyntheticTask(num_train=t.num_train, num_eval=t.num_eval, seed=cfg.run.seed,
-                             partial_credit=t.partial_credit)
+                             partial_credit=t.partial_credit, length_ramp=t.length_ramp)
     from streamrl.tasks.math import MathTask
 
     return MathTask.from_config(t, seed=cfg.run.seed)

@@ -130,7 +130,7 @@ class SyntheticTask(Task):
     reward_is_fast = True
 
     def __init__(self, num_train: int = 4096, num_eval: int = 256, seed: int = 0,
-                 spec: SyntheticSpec = SyntheticSpec(), partial_credit: float = 0.0) -> None:
+                 spec: SyntheticSpec = SyntheticSpec(), partial_credit: float = 0.0, length_ramp: bool = False) -> None:
         if not 0 <= partial_credit < 1:
             raise ValueError(f"partial_credit={partial_credit!r} must be in [0, 1)")
         self.spec = spec
@@ -139,6 +139,9 @@ class SyntheticTask(Task):
         # training prompts never repeat a held-out prompt's text.
         self._eval = self._make("eval", num_eval, 424242, exclude=set())
         self._train = self._make("train", num_train, seed * 1_000_003 + 1, exclude={p.text for p in self._eval})
+        self.ordered = length_ramp  # the stream keeps this order (``PromptStream(shuffle=False)``)
+        if length_ramp:
+            self._train.sort(key=lambda p: len(p.meta["solution"]))
 
     def _make(self, split: str, n: int, seed: int, exclude: set[str]) -> list[Prompt]:
         rng = random.Random(seed)
