@@ -242,6 +242,8 @@ class GenerationConfig(_Section):
     rebalance_interval_s: float = Field(0.1, gt=0, description="rebalancing checks progress at most this often")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per instance, e.g. {H20: 1}")
     threads_per_instance: int = Field(1, ge=1, description="CPUs (Ray num_cpus) of each generation instance")
+    cpus_per_instance: float | None = Field(None, gt=0, description="Ray CPUs reserved per instance when not "
+                                            "threads_per_instance (a fraction oversubscribes on purpose)")
     max_batch_tokens: int = Field(1024, ge=16)
     max_requests_per_batch: int = Field(64, ge=1)
     num_blocks: int = Field(512, ge=8)
@@ -258,6 +260,8 @@ class GenerationConfig(_Section):
     scale_down_patience: int = Field(3, ge=1, description="elastic: iterations in a row that generation must outpace "
                                      "training (with one instance fewer) before one is removed, and the iterations "
                                      "after any change before another removal")
+    scale_up_min_gain: float = Field(0.1, ge=0, lt=1, description="elastic: add one only if it is predicted to save "
+                                     "at least this fraction of the generation time")
     scale_down_margin: float = Field(0.25, ge=0, lt=1, description="elastic: remove one only if generation with one "
                                      "instance fewer is predicted at most (1 - margin) x the training time")
     restart: bool = Field(True, description="start a replacement (with the current weights) for an instance that "

@@ -96,7 +96,8 @@ def _plan_cpu(cfg: Config) -> PlacementPlan:
         trainer = (Bundle("trainer-rank-0", {"CPU": float(t.threads)}, node.name),)
         trainer_desc = f"trainer.threads ({t.threads})"
     count = max(g.num_instances, elastic_max(cfg)) if g.elastic else g.num_instances
-    gen = tuple(Bundle(f"gen-{i}", {"CPU": float(g.threads_per_instance), **g.resources}, node.name)
+    cpus = g.cpus_per_instance if g.cpus_per_instance is not None else float(g.threads_per_instance)
+    gen = tuple(Bundle(f"gen-{i}", {"CPU": cpus, **g.resources}, node.name)
                 for i in range(count))
     need = sum(b.resources["CPU"] for b in trainer + gen)
     notes = []
@@ -105,7 +106,8 @@ def _plan_cpu(cfg: Config) -> PlacementPlan:
     elif need > cfg.cluster.num_cpus and cfg.cluster.address is None:
         raise ConfigError(f"placement: {trainer_desc} + generation."
                           f"{'max_instances' if g.elastic else 'num_instances'} ({count}) x "
-                          f"generation.threads_per_instance ({g.threads_per_instance}) = {need:g} CPUs, but "
+                          f"generation.{'cpus_per_instance' if g.cpus_per_instance else 'threads_per_instance'} "
+                          f"({cpus:g}) = {need:g} CPUs, but "
                           f"cluster.num_cpus={cfg.cluster.num_cpus}")
     if t.backend == "fsdp":
         notes.append(f"trainer: FSDP2 over {t.fsdp_ranks} CPU ranks (gloo), placement group PACK; the trainer actor "

@@ -223,3 +223,63 @@ def test_stream_async_run_trains_every_sample_once_through_instance_kills(ray_se
     assert sorted(trained) == sorted(sent)  # and trained exactly once
     assert counters["sgs/faults"] == 2 and counters["sgs/restarts"] == 2 and counters["sgs/requeued"] >= 1
     assert metrics["sgs/faults"] == 2.0 and metrics["sgs/instances"] == 1.0
+
+
+def test_retiring_an_instance_mid_generation_moves_its_work_with_prefixes_and_loses_nothing(ray_session,
+                                                                                             tiny_policy_dir):
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.max_new_tokens=64"), hold_back=True)
+    sgs.add_instance()
+    sgs.add_instance()
+    requests = _requests(tiny_policy_dir, 12)
+    seen, moved = [], None
+    try:
+        for c in sgs.generate(requests):
+            seen.append(c.request_id)
+            if moved is None:
+                moved = sgs.retire_instance(_busiest(sgs))
+    finally:
+        sgs.shutdown()
+    assert sorted(seen) == sorted(r.request_id for r in requests)
+    assert moved >= 1 and sgs.counters["sgs/instances_removed"] == 1 and sgs.counters["sgs/faults"] == 0
+
+
+def test_the_elastic_controller_adds_and_retires_instances_between_iterations(ray_session, tiny_policy_dir):
+    """The decisions are scripted here (the rule itself is tested in test_policies.py); what is
+    checked is what the pipeline does with them: a new instance with the current weights, a
+    retired one, every sample still trained once."""
+    import ray
+
+    from streamrl.controller.common import PromptStream
+    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.models.tiny import load_policy
+    from streamrl.tasks.factory import make_task
+
+    cfg = _cfg(tiny_policy_dir, "mode=stream-async", "generation.prompts_per_iter=4", "generation.elastic=true",
+               "generation.max_instances=2", "generation.cpus_per_instance=0.5")  # trainer 1 + 2 x 0.5 CPUs
+    task = make_task(cfg)
+    _, tok = load_policy(cfg.policy.path)
+    ctx = RunContext(cfg, task, tok)
+    pipe = make_pipeline(cfg, ctx)
+    script = iter([1, 0, -1])
+    pipe.scaler.decide = lambda *args: next(script)
+    stream = PromptStream(task.train_prompts(), seed=0)
+    sent, counts, versions = [], [], []
+    try:
+        for it in range(4):
+            prompts = stream.next_batch(cfg.generation.prompts_per_iter)
+            ctx.scorer.register(prompts)
+            samples, metrics = pipe.step(it, prompts)
+            sent.extend(s.completion.request_id for s in samples)
+            counts.append(metrics["gen/instances"])
+            if it == 1:  # the first decision (async: once a training time is known) added one
+                versions = ray.get([a.version.remote() for a in pipe.sgs.instances.values()])
+                expected_version = pipe.sgs.version
+        pipe.finish()
+        trained = pipe.trained_ids()
+    finally:
+        pipe.shutdown()
+    assert counts == [1.0, 2.0, 2.0, 1.0]
+    assert versions == [expected_version] * 2  # the added instance installed the current weights
+    assert sorted(trained) == sorted(sent) and len(set(sent)) == len(sent) == 4 * 4 * 2

@@ -8,6 +8,7 @@ mode decides (colocated or not, streaming or not, the staleness bound) comes fro
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ray
@@ -18,6 +19,8 @@ from streamrl.metrics.timeline import Timeline
 from streamrl.modes import get_mode
 from streamrl.placement import PlacementPlan
 from streamrl.types import Completion, GenRequest, TrainResult
+
+log = logging.getLogger(__name__)
 
 
 def trainer_get(ref, what: str):
@@ -188,7 +191,8 @@ class DisaggPipeline(Pipeline):
             from streamrl.policies.elastic import ElasticScaler
 
             g = cfg.generation
-            self.scaler = ElasticScaler(g.min_instances, elastic_max(cfg), g.scale_down_patience, g.scale_down_margin)
+            self.scaler = ElasticScaler(g.min_instances, elastic_max(cfg), g.scale_down_patience, g.scale_down_margin,
+                                        g.scale_up_min_gain)
         self._t_train: float | None = None  # the latest finished training iteration's time
 
     # ------------------------------------------------------------------------------ weights
@@ -217,6 +221,7 @@ class DisaggPipeline(Pipeline):
         if upcoming:
             self.sgs.prefetch(upcoming)
         gen_version = self.sgs.version
+        t_submit = time.time()  # generation proper starts here (after any wait for the weights)
         requests = self.ctx.builder.build(prompts, iteration)
         expected = len({r.prompt_id for r in requests})
         samples, groups_open, last_ref = [], {}, None
@@ -256,7 +261,7 @@ class DisaggPipeline(Pipeline):
         self.pending[iteration] = last_ref
         for c in (s.completion for s in samples):
             self.timeline.add(c.instance, "generate", iteration, c.version_start, c.t_start, c.t_end)
-        metrics = {"time/gen_s": gen_end - t0, "gen/version": gen_version,
+        metrics = {"time/gen_s": gen_end - t0, "time/gen_active_s": gen_end - t_submit, "gen/version": gen_version,
                    "gen/tokens_per_s": sum(s.num_response_tokens for s in samples) / max(gen_end - t0, 1e-9),
                    "staleness/max": max((self.sgs.version - s.completion.version_start for s in samples), default=0),
                    **self.sgs.take_metrics()}  # ranker recall/Spearman of this batch, rebalancing counters
@@ -286,6 +291,14 @@ class DisaggPipeline(Pipeline):
         self._collect_events(trainer=self.max_staleness == 0)
         return samples, metrics
 
+    def _room_for_instance(self) -> bool:
+        """Whether Ray could place one more instance now (an add must never wait on resources
+        that are not there: the run would stall for ``generation.replacement_timeout_s``)."""
+        need = self.sgs._instance_options(self.sgs.counters["sgs/instances_added"])
+        free = ray.available_resources()
+        wants = {"CPU": need.get("num_cpus", 0), "GPU": need.get("num_gpus", 0), **need.get("resources", {})}
+        return all(free.get(k, 0.0) + 1e-9 >= v for k, v in wants.items() if v)
+
     def _scale(self, metrics: dict, samples) -> dict[str, float]:
         """Elastic SGS, between two iterations (no request in flight): T_gen of this iteration
         against the latest finished T_train (prepare included); one instance more or fewer, as
@@ -296,9 +309,14 @@ class DisaggPipeline(Pipeline):
         out = {"elastic/decision": 0.0, "gen/instances": float(k)}
         if self._t_train is None or not samples:
             return out
-        t_gen = metrics["time/gen_s"]
+        t_gen = metrics["time/gen_active_s"]  # not the wait for the trainer's weights (async: its bottleneck)
         t_tail = max(s.completion.t_end - s.completion.t_start for s in samples)
         decision = self.scaler.decide(k, t_gen, self._t_train, t_tail)
+        if decision > 0 and not self._room_for_instance():
+            log.warning("elastic: one more generation instance was due, but Ray has no room for it now (%s)",
+                        ray.available_resources())
+            out["elastic/blocked"] = 1.0
+            decision = 0
         if decision > 0:
             self.sgs.add_instance()
         elif decision < 0:

@@ -61,7 +61,9 @@ def predict_gen_time(t_gen: float, instances: int, new_instances: int, t_tail: f
 class ElasticScaler:
     """The live controller's decision per iteration: +1, -1 or 0 instances.
 
-    Up: the paper's rule (``ElasticRule``) with ``P_gen(k + 1)`` from ``predict_gen_time``.
+    Up: the paper's rule (``ElasticRule``) with ``P_gen(k + 1)`` from ``predict_gen_time``, and
+    only if that instance is predicted to save at least ``min_gain`` of the generation time (a
+    measured iteration is noisy, and a tail-bound stage gains almost nothing from one more).
     Down (beyond the paper): when generation with one instance fewer is still predicted at most
     ``(1 - margin) x T_train`` for ``patience`` iterations in a row, and no change happened in
     the last ``patience`` iterations. The margin keeps a removal from being undone by the up rule
@@ -72,6 +74,7 @@ class ElasticScaler:
     max_instances: int
     patience: int = 3
     margin: float = 0.25
+    min_gain: float = 0.1
     smoothing: float = 0.0
     _low: int = field(default=0, init=False, repr=False)
     _since_change: int = field(default=10**9, init=False, repr=False)
@@ -84,7 +87,7 @@ class ElasticScaler:
     def decide(self, instances: int, t_gen: float, t_train: float, t_tail: float) -> int:
         self._since_change += 1
         plus_one = predict_gen_time(t_gen, instances, instances + 1, t_tail)
-        if self.rule.decide(instances, t_gen, t_train, plus_one):
+        if self.rule.decide(instances, t_gen, t_train, plus_one) and t_gen - plus_one >= self.min_gain * t_gen:
             self._low, self._since_change = 0, 0
             return 1
         if instances > self.min_instances and predict_gen_time(t_gen, instances, instances - 1, t_tail) <= (

@@ -162,7 +162,8 @@ class StreamGenerationService:
         ``generation.num_instances`` asks for the last planned instance's bundle)."""
         g = self.cfg.generation
         if self.cfg.placement.device != "cuda":
-            return {"num_cpus": g.threads_per_instance, "resources": dict(g.resources)}
+            cpus = g.cpus_per_instance if g.cpus_per_instance is not None else g.threads_per_instance
+            return {"num_cpus": cpus, "resources": dict(g.resources)}
         if self.plan is None:
             self.plan = plan_placement(self.cfg)
         planned = self.plan.generation
