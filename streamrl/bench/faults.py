@@ -273,3 +273,114 @@ def bench_faults(cfg: Config, cfg_args: list[str], out_root: Path, kills: int, r
         "recovery_s": [f.get("recovery_s") for f in faults], "faults": faults, "rows": rows, "seed": seed,
         "args": cfg_args,
     }
+
+
+# ------------------------------------------------------------------------------------- soak
+def _role(pid: int) -> str:
+    """A process's role by its title: ray::<Actor>, raylet, gcs_server, the driver, ..."""
+    raw = _cmdline(pid).split(b"\0")
+    head = raw[0].decode(errors="replace")
+    if head.startswith("ray::"):
+        return head.split(".")[0].split()[0]
+    name = Path(head).name
+    if "python" in name and len(raw) > 1:
+        mod = next((a.decode(errors="replace") for a in raw[1:] if a and not a.startswith(b"-")), "")
+        return f"python {Path(mod).name}" if mod else name
+    return name or "?"
+
+
+def _sample(pid: int) -> list[dict[str, Any]]:
+    """RSS (MB) and open files of ``pid`` and every process under it."""
+    rows = []
+    for p in [pid] + descendants(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
+            fds = len(os.listdir(f"/proc/{p}/fd"))
+        except (OSError, StopIteration):
+            continue
+        rows.append({"pid": p, "role": "driver" if p == pid else _role(p), "rss_mb": rss, "open_files": fds})
+    return rows
+
+
+def _shm() -> dict[str, Any]:
+    try:
+        files = [f for f in Path("/dev/shm").iterdir() if f.is_file()]
+    except OSError:
+        return {"files": None, "bytes": None, "names": []}
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "names": sorted(f.name for f in files)}
+
+
+def slope_per_100(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` over ``xs``, per 100 units of ``xs`` (0 with < 3 points)."""
+    import numpy as np
+
+    if len(xs) < 3:
+        return 0.0
+    return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0] * 100)
+
+
+def bench_soak(cfg_args: list[str], out_dir: Path, sample_s: float = 5.0, echo=print) -> dict[str, Any]:
+    """One long run as a child process: every ``sample_s`` seconds the resident memory and open
+    files of each of its processes; Ray's object store per iteration (the driver logs it); files
+    in /dev/shm before and after. Slopes are fitted over the second half of the run, after the
+    warm-up (allocator pools, caches) has settled."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    shm_before = _shm()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    att = Attempt([sys.executable, "-m", "streamrl.cli", "train", *cfg_args, f"run.out_dir={out_dir}",
+                   "run.overwrite=true"], out_dir.parent / f"{out_dir.name}.log", env)
+    samples: list[dict[str, Any]] = []
+    while att.proc.poll() is None:
+        t = time.time() - att.started
+        it = sum(1 for _, line in att.lines if line.startswith("iter"))
+        for row in _sample(att.proc.pid):
+            samples.append({"t": t, "iteration": it, **row})
+        try:
+            att.proc.wait(timeout=sample_s)
+        except subprocess.TimeoutExpired:
+            pass
+    rc = att.finish()
+    time.sleep(2.0)
+    shm_after = _shm()
+    if rc != 0:
+        raise RuntimeError(f"the soak run failed (exit {rc}): " + " | ".join(line for _, line in att.lines[-15:]))
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    per_iter = [r for r in rows if "sys/driver_rss_mb" in r]
+    iterations = len(per_iter)
+    half = iterations // 2
+    by_role: dict[str, list[dict]] = {}
+    for s in samples:
+        by_role.setdefault(s["role"], []).append(s)
+    table = []
+    for role, ss in sorted(by_role.items()):
+        # per sample time, the role's total (several processes may share a role)
+        at: dict[float, dict[str, float]] = {}
+        for s in ss:
+            cur = at.setdefault(s["t"], {"iteration": s["iteration"], "rss_mb": 0.0, "open_files": 0.0, "n": 0})
+            cur["rss_mb"] += s["rss_mb"]
+            cur["open_files"] += s["open_files"]
+            cur["n"] += 1
+        pts = [v for _, v in sorted(at.items()) if v["iteration"] >= half]
+        first = next(v for _, v in sorted(at.items()))
+        last = [v for _, v in sorted(at.items())][-1]
+        table.append({"role": role, "processes": last["n"], "rss_mb_first": first["rss_mb"],
+                      "rss_mb_last": last["rss_mb"], "rss_mb_per_100_iter": slope_per_100(
+                          [p["iteration"] for p in pts], [p["rss_mb"] for p in pts]),
+                      "open_files_last": last["open_files"], "open_files_per_100_iter": slope_per_100(
+                          [p["iteration"] for p in pts], [p["open_files"] for p in pts])})
+    second = per_iter[half:]
+    store = [r.get("sys/object_store_bytes") for r in second if r.get("sys/object_store_bytes") is not None]
+    steps = [r["step"] for r in second if r.get("sys/object_store_bytes") is not None]
+    return {
+        "iterations": iterations, "wall_s": time.time() - att.started, "samples": len(samples),
+        "processes": table,
+        "object_store_mb_first": per_iter[0].get("sys/object_store_bytes", float("nan")) / 2**20 if per_iter else None,
+        "object_store_mb_last": per_iter[-1].get("sys/object_store_bytes", float("nan")) / 2**20 if per_iter else None,
+        "object_store_mb_per_100_iter": slope_per_100(steps, [b / 2**20 for b in store]),
+        "object_store_objects_last": per_iter[-1].get("sys/object_store_objects") if per_iter else None,
+        "shm_files_before": shm_before["files"], "shm_files_after": shm_after["files"],
+        "shm_new_files": sorted(set(shm_after["names"]) - set(shm_before["names"])),
+        "leftover_processes": len(descendants(att.proc.pid)),
+        "series": samples,
+    }

@@ -63,6 +63,16 @@ def register(sub) -> None:
     add_out_argument(f)
     f.set_defaults(handler="streamrl.commands.bench:run_faults")
 
+    k = bsub.add_parser("soak", help="one long stream-async run: resident memory and open files of every process "
+                                     "over time and their slopes, Ray object-store bytes, files left in /dev/shm")
+    k.add_argument("config", nargs="?", default="configs/tiny.yaml")
+    k.add_argument("overrides", nargs="*")
+    k.add_argument("--iterations", type=int, default=1000, help="RL iterations (1000)")
+    k.add_argument("--sample-s", type=float, default=5.0, help="seconds between process samples (5)")
+    k.add_argument("--out-dir", default="runs/bench_soak", help="the run's directory and log")
+    add_out_argument(k)
+    k.set_defaults(handler="streamrl.commands.bench:run_soak")
+
 
 def run_modes(args) -> int:
     from pathlib import Path
@@ -175,5 +185,36 @@ def run_faults(args) -> int:
                 ["kind", "attempt", "pid", "resumed", "detected_s", "requeued", "recovery_s"])
     print(f"samples/s with faults / without: {result['samples_per_s_ratio']:.3f}; prompts lost "
           f"{result['prompts_lost']}, trained twice {result['prompts_trained_twice']}")
+    write_json(args.out, result)
+    return 0
+
+
+def run_soak(args) -> int:
+    from pathlib import Path
+
+    from streamrl.config import load_cli_config
+
+    # Small iterations (4 prompts x 4 samples of <= 64 tokens): a leak shows per iteration, so
+    # many short iterations find it sooner; a checkpoint every 50 exercises that path too.
+    fixed = ["mode=stream-async", f"run.iterations={args.iterations}", "generation.prompts_per_iter=4",
+             "generation.n_samples=4", "generation.max_new_tokens=64", "task.num_eval=16", "run.eval_samples=1",
+             "run.checkpoint_every=50"]
+    overrides = fixed + list(args.overrides)
+    cfg = load_cli_config(args.config, overrides, default="configs/tiny.yaml")
+    from streamrl.bench.faults import bench_soak
+    from streamrl.controller.driver import ensure_policy
+    from streamrl.metrics.report import print_table, write_json
+
+    ensure_policy(cfg)
+    result = bench_soak([args.config, *overrides], Path(args.out_dir), args.sample_s)
+    print_table(f"bench soak: {result['iterations']} stream-async iterations in {result['wall_s']:.0f}s; slopes "
+                "over the second half", result["processes"],
+                ["role", "processes", "rss_mb_first", "rss_mb_last", "rss_mb_per_100_iter", "open_files_last",
+                 "open_files_per_100_iter"])
+    print(f"object store: {result['object_store_mb_first']:.1f} MB at the first iteration, "
+          f"{result['object_store_mb_last']:.1f} MB at the last ({result['object_store_objects_last']} objects), "
+          f"{result['object_store_mb_per_100_iter']:+.2f} MB per 100 iterations; /dev/shm files "
+          f"{result['shm_files_before']} before, {result['shm_files_after']} after (new: {result['shm_new_files']}); "
+          f"processes left: {result['leftover_processes']}")
     write_json(args.out, result)
     return 0

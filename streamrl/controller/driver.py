@@ -251,6 +251,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
             samples, metrics = pipeline.step(it, prompts, upcoming)
             done_it, done_stream = it, stream.state()
             _write_faults(out, it, pipeline.take_faults())
+            metrics.update(system_metrics())
             _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logger, sample_log, callbacks,
                            ckpt, stream, out)
     except KeyboardInterrupt:
@@ -311,6 +312,35 @@ def _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logge
     if cfg.run.checkpoint_every and (it + 1) % cfg.run.checkpoint_every == 0:
         keep = str(out / "checkpoints" / f"iter-{it + 1}") if cfg.run.keep_checkpoints else None
         pipeline.checkpoint(str(ckpt), _extra(pipeline, it, stream.state()), keep_as=keep)
+
+
+def system_metrics() -> dict[str, float]:
+    """The driver's resident memory and open files, and the Ray object store's bytes and objects
+    (read from the raylet; absent where Ray does not answer): what ``bench soak`` watches for leaks."""
+    import resource
+
+    out = {"sys/driver_rss_mb": _rss_mb(os.getpid()), "sys/driver_open_files": float(len(os.listdir("/proc/self/fd")))
+           if os.path.isdir("/proc/self/fd") else float("nan")}
+    out["sys/driver_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+        stats = get_memory_info_reply(get_state_from_address(None), timeout_seconds=5).store_stats
+        out["sys/object_store_bytes"] = float(stats.object_store_bytes_used)
+        out["sys/object_store_objects"] = float(stats.num_local_objects)
+    except Exception:  # noqa: BLE001 - a private Ray API: the run never depends on it
+        pass
+    return out
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
 
 
 def _write_faults(out: Path, iteration: int, faults: list[dict]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import ray
 
@@ -206,6 +207,15 @@ class DisaggPipeline(Pipeline):
             return
         res = self._result(needed - 1)
         self.sgs.update(res.handle, res.version)
+        self._release_old_weights()
+
+    def _release_old_weights(self) -> None:
+        """Drop the handles of versions older than the installed one: each holds its weight
+        buffer in the object store (the trainer owns it) for as long as a reference lives, and
+        nothing needs an older version again (found by ``bench soak``: one buffer per iteration)."""
+        for it, res in self.results.items():
+            if res.handle is not None and res.version < self.sgs.version:
+                self.results[it] = replace(res, handle=None)
 
     # ------------------------------------------------------------------------------- one step
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
@@ -268,6 +278,7 @@ class DisaggPipeline(Pipeline):
         if self.max_staleness == 0:
             res = self._result(iteration)
             self.sgs.update(res.handle, res.version)
+            self._release_old_weights()
             metrics.update(res.metrics)
             self._reported.add(iteration)
         else:
@@ -342,6 +353,7 @@ class DisaggPipeline(Pipeline):
             last = self.results[max(self.results)]
             if last.version > self.sgs.version:
                 self.sgs.update(last.handle, last.version)
+            self._release_old_weights()
         self._collect_events()
 
     def _collect_events(self, trainer: bool = True) -> None:

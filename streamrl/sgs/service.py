@@ -104,7 +104,8 @@ class StreamGenerationService:
         self.instances: dict[str, ray.actor.ActorHandle] = {}
         self.assigned: dict[str, tuple[str, GenRequest]] = {}
         self.predicted: dict[str, float] = {}
-        self.returned: set[str] = set()
+        self.returned: set[str] = set()  # handed out, of the last few batches (a duplicate submit is refused)
+        self._returned_batches: deque = deque(maxlen=4)
         self._polls: dict[ray.ObjectRef, str] = {}
         self._armed_at: dict[ray.ObjectRef, float] = {}  # poll ref -> perf_counter when sent (heartbeat)
         self.heartbeat_s = g.heartbeat_timeout_s
@@ -479,6 +480,9 @@ class StreamGenerationService:
     def _end_batch(self, requests: list[GenRequest], predicted: dict[str, float], done: list[Completion],
                    given: bool) -> None:
         """Log the batch's ranking quality; feed its lengths to dispatch and (background) ranker."""
+        self._returned_batches.append([c.request_id for c in done])  # bounded: 4 batches are remembered
+        if len(self._returned_batches) == self._returned_batches.maxlen:
+            self.returned.difference_update(self._returned_batches[0])
         lengths = {c.request_id: len(c.output_ids) for c in done}
         ids = [r.request_id for r in requests]
         actual = [float(lengths[i]) for i in ids]
