@@ -86,6 +86,9 @@ class RunConfig(_Section):
     seed: int = Field(0, description="seed of data order, sampling and initialisation")
     iterations: int = Field(30, ge=1, description="RL iterations (one optimizer round each)")
     out_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, timeline, ckpts")
+    trainer_timeout_s: float | None = Field(3600.0, gt=0, description="a call to the trainer (an iteration's "
+                                            "training included) that takes longer stops the run: a hung trainer "
+                                            "is an error, not a wait; None waits forever")
     eval_every: int = Field(0, ge=0, description="evaluate on the held-out set every k iterations; 0 = only before/after")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every k iterations; 0 = only at the end")
     keep_checkpoints: bool = Field(False, description="also keep each periodic checkpoint's policy as "

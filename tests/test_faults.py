@@ -283,3 +283,47 @@ def test_the_elastic_controller_adds_and_retires_instances_between_iterations(ra
     assert counts == [1.0, 2.0, 2.0, 1.0]
     assert versions == [expected_version] * 2  # the added instance installed the current weights
     assert sorted(trained) == sorted(sent) and len(set(sent)) == len(sent) == 4 * 4 * 2
+
+
+def _kill_titled(title: bytes) -> int:
+    """SIGKILL the one process under this one (the test's Ray) whose title starts with ``title``."""
+    from streamrl.bench.faults import _cmdline, descendants
+
+    pids = [p for p in descendants(os.getpid()) if _cmdline(p).startswith(title)]
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+def _train_cfg(policy_dir, out, *extra):
+    return _cfg(policy_dir, f"run.out_dir={out}", "mode=stream-async", "run.iterations=4",
+                "generation.prompts_per_iter=4", "run.eval_samples=1", "cluster.num_cpus=2",
+                "logging.backends=[jsonl]", *extra)
+
+
+def test_a_run_whose_last_instance_is_lost_stops_after_an_exact_checkpoint(ray_session, tiny_policy_dir, tmp_path):
+    import torch
+
+    from streamrl.controller.driver import train
+
+    def kill_after_iteration_1(it, metrics):
+        if it == 1:
+            _kill_titled(b"ray::GenerationInstance")
+
+    with pytest.raises(GenerationFailed, match=r"every generation instance is gone.*checkpoint of iteration 1 saved"):
+        train(_train_cfg(tiny_policy_dir, tmp_path / "run", "generation.max_restarts=0"),
+              callbacks=[kill_after_iteration_1], echo=lambda *a: None)
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer.pt", weights_only=False)
+    assert state["extra"]["iteration"] == 1 and state["version"] == 2
+    assert len(state["extra"]["lineage"]) == 2 * 4 * 2  # iterations 0 and 1, every sample once
+
+
+def test_a_run_whose_trainer_is_killed_stops_naming_the_trainer(ray_session, tiny_policy_dir, tmp_path):
+    from streamrl.controller.driver import train
+
+    def kill_trainer(it, metrics):
+        if it == 1:
+            _kill_titled(b"ray::IterationTrainer")
+
+    with pytest.raises(TrainerFailed, match="trainer"):
+        train(_train_cfg(tiny_policy_dir, tmp_path / "run"), callbacks=[kill_trainer], echo=lambda *a: None)

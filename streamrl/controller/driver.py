@@ -206,7 +206,7 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
 
 
 def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) -> dict[str, Any]:
-    from streamrl.errors import RunInterrupted
+    from streamrl.errors import GenerationFailed, RunInterrupted
     from streamrl.metrics.logger import MetricsLogger
     from streamrl.models.tiny import load_policy
 
@@ -260,6 +260,12 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
         finally:
             _close_quietly(pipeline, sample_log, ctx, logger)
         raise RunInterrupted(message) from None
+    except GenerationFailed as exc:  # the trainer is alive: keep what it has trained, where exact
+        try:
+            message = _checkpoint_after_interrupt(pipeline, ckpt, done_it, start, done_stream)
+        finally:
+            _close_quietly(pipeline, sample_log, ctx, logger)
+        raise GenerationFailed(f"{exc}; {message}") from None
     except BaseException:
         _close_quietly(pipeline, sample_log, ctx, logger)
         raise

@@ -24,11 +24,15 @@ from streamrl.types import Completion, GenRequest, TrainResult
 log = logging.getLogger(__name__)
 
 
-def trainer_get(ref, what: str):
-    """``ray.get`` of a call to the trainer (or the colocated worker): its death is a
-    ``TrainerFailed`` naming the call, not a Ray traceback that blames whoever waited."""
+def trainer_get(ref, what: str, timeout_s: float | None = None):
+    """``ray.get`` of a call to the trainer (or the colocated worker): its death, or no answer
+    within ``timeout_s`` (``run.trainer_timeout_s``), is a ``TrainerFailed`` naming the call,
+    not a Ray traceback that blames whoever waited, and never a hang."""
     try:
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TrainerFailed(f"the trainer answered no {what} within run.trainer_timeout_s={timeout_s:g}s "
+                            "(hung, or a step slower than the limit allows)") from None
     except ray.exceptions.RayActorError as exc:
         raise TrainerFailed(f"the trainer actor died during {what} ({type(exc).__name__}); "
                             "the last checkpoint was left as it was") from None
@@ -38,6 +42,10 @@ class Pipeline:
     """What the driver calls; each mode's pipeline implements it."""
 
     timeline: Timeline
+    cfg: Config
+
+    def _tget(self, ref, what: str):
+        return trainer_get(ref, what, self.cfg.run.trainer_timeout_s)
 
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
         """Generate ``requests`` with the current weights (evaluation), outside any iteration."""
@@ -101,17 +109,17 @@ class ColocatedPipeline(Pipeline):
         self.timeline = Timeline()
 
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
-        completions, _ = trainer_get(self.worker.generate.remote(requests), "generate")
+        completions, _ = self._tget(self.worker.generate.remote(requests), "generate")
         return completions
 
     def step(self, iteration: int, prompts, upcoming=None):  # no ranker here: ``upcoming`` is unused
         t0 = time.time()
         requests = self.ctx.builder.build(prompts, iteration)
-        completions, gen_s = trainer_get(self.worker.generate.remote(requests), f"generate (iteration {iteration})")
+        completions, gen_s = self._tget(self.worker.generate.remote(requests), f"generate (iteration {iteration})")
         t_gen_end = time.time()
         samples = [self.ctx.scorer.score(c, iteration) for c in completions]
         t_train = time.time()
-        metrics = trainer_get(self.worker.train.remote(samples), f"train (iteration {iteration})")
+        metrics = self._tget(self.worker.train.remote(samples), f"train (iteration {iteration})")
         t_end = time.time()
         self.timeline.add("colocated-0", "generate", iteration, iteration, t0, t_gen_end)
         self.timeline.add("colocated-0", "train", iteration, iteration, t_train, t_end - metrics["time/weight_sync_s"])
@@ -125,17 +133,17 @@ class ColocatedPipeline(Pipeline):
         """Nothing is ever pending: every call blocks."""
 
     def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
-        trainer_get(self.worker.save.remote(path, extra, keep_as), "save")
+        self._tget(self.worker.save.remote(path, extra, keep_as), "save")
 
     def lineage(self) -> list[str]:
-        return trainer_get(self.worker.get_lineage.remote(), "lineage")
+        return self._tget(self.worker.get_lineage.remote(), "lineage")
 
     def can_checkpoint_at(self, iteration: int) -> bool:
         # The worker runs one call at a time: this answers after an interrupted train call ends.
-        return trainer_get(self.worker.version.remote(), "version") == iteration + 1
+        return self._tget(self.worker.version.remote(), "version") == iteration + 1
 
     def load(self, path: str) -> dict:
-        return trainer_get(self.worker.load.remote(path), "load")
+        return self._tget(self.worker.load.remote(path), "load")
 
     def shutdown(self) -> None:
         ray.get(self.worker.shutdown.remote())
@@ -178,7 +186,7 @@ class DisaggPipeline(Pipeline):
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
         for _ in range(cfg.generation.num_instances):
             self.sgs.add_instance()
-        self.sgs.update(trainer_get(self.trainer.publish.remote(), "publish"), 0)
+        self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), 0)
         self.pending: dict[int, ray.ObjectRef] = {}
         self.results: dict[int, TrainResult] = {}
         self._reported: set[int] = set()  # iterations whose training metrics went out with a step
@@ -199,7 +207,7 @@ class DisaggPipeline(Pipeline):
     # ------------------------------------------------------------------------------ weights
     def _result(self, it: int) -> TrainResult:
         if it not in self.results:
-            self.results[it] = trainer_get(self.pending.pop(it), f"training iteration {it}")
+            self.results[it] = self._tget(self.pending.pop(it), f"training iteration {it}")
         return self.results[it]
 
     def _ensure_version(self, needed: int) -> None:
@@ -348,7 +356,7 @@ class DisaggPipeline(Pipeline):
         for it in sorted(self.pending):
             self._result(it)
         while self._saves:
-            trainer_get(self._saves.pop(0), "checkpoint")
+            self._tget(self._saves.pop(0), "checkpoint")
         if self.results:
             last = self.results[max(self.results)]
             if last.version > self.sgs.version:
@@ -357,15 +365,15 @@ class DisaggPipeline(Pipeline):
         self._collect_events()
 
     def _collect_events(self, trainer: bool = True) -> None:
-        evs = (trainer_get(self.trainer.drain_events.remote(), "drain_events") if trainer else []) + self.sgs.drain_events()
+        evs = (self._tget(self.trainer.drain_events.remote(), "drain_events") if trainer else []) + self.sgs.drain_events()
         self.timeline.extend(evs)
 
     def trained_ids(self) -> list[str]:
-        return trainer_get(self.trainer.drain_trained_ids.remote(), "drain_trained_ids")
+        return self._tget(self.trainer.drain_trained_ids.remote(), "drain_trained_ids")
 
     def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
         self.finish()
-        trainer_get(self.trainer.save.remote(path, extra, keep_as), "save")
+        self._tget(self.trainer.save.remote(path, extra, keep_as), "save")
 
     def checkpoint(self, path: str, extra: dict, keep_as: str | None = None) -> None:
         """No drain: the trainer actor runs calls in order, so a ``save`` sent now runs right after
@@ -374,7 +382,7 @@ class DisaggPipeline(Pipeline):
         self._saves.append(self.trainer.save.remote(path, extra, keep_as))
 
     def lineage(self) -> list[str]:
-        return trainer_get(self.trainer.get_lineage.remote(), "lineage")
+        return self._tget(self.trainer.get_lineage.remote(), "lineage")
 
     def ranker_state(self) -> dict | None:
         return self.sgs.ranker.history_state() if self.sgs.ranker is not None else None
@@ -390,12 +398,12 @@ class DisaggPipeline(Pipeline):
 
     def can_checkpoint_at(self, iteration: int) -> bool:
         self.finish()  # every iteration whose step returned is trained and installed
-        partial = trainer_get(self.trainer.partial_steps.remote(), "partial_steps")
-        return partial == 0 and trainer_get(self.trainer.version.remote(), "version") == iteration + 1
+        partial = self._tget(self.trainer.partial_steps.remote(), "partial_steps")
+        return partial == 0 and self._tget(self.trainer.version.remote(), "version") == iteration + 1
 
     def load(self, path: str) -> dict:
-        extra = trainer_get(self.trainer.load.remote(path), "load")
-        self.sgs.update(trainer_get(self.trainer.publish.remote(), "publish"), trainer_get(self.trainer.version.remote(), "version"))
+        extra = self._tget(self.trainer.load.remote(path), "load")
+        self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), self._tget(self.trainer.version.remote(), "version"))
         return extra
 
     def shutdown(self) -> None:
