@@ -194,6 +194,7 @@ class DisaggPipeline(Pipeline):
         self._last_step_end = None
         self._saves: list[ray.ObjectRef] = []  # checkpoints sent to the trainer, not yet confirmed
         self._faults_seen = 0
+        self._trainer_events: ray.ObjectRef | None = None  # a drain in flight (async)
         self.scaler = None
         if cfg.generation.elastic:
             from streamrl.placement import elastic_max
@@ -307,7 +308,7 @@ class DisaggPipeline(Pipeline):
         self._last_step_end = time.time()
         # Instance events only: a call to the trainer actor would queue behind its training
         # work and turn the asynchronous pipeline back into a synchronous one.
-        self._collect_events(trainer=self.max_staleness == 0)
+        self._collect_events(trainer=self.max_staleness == 0 or None)
         return samples, metrics
 
     def _room_for_instance(self) -> bool:
@@ -364,8 +365,23 @@ class DisaggPipeline(Pipeline):
             self._release_old_weights()
         self._collect_events()
 
-    def _collect_events(self, trainer: bool = True) -> None:
-        evs = (self._tget(self.trainer.drain_events.remote(), "drain_events") if trainer else []) + self.sgs.drain_events()
+    def _collect_events(self, trainer: bool | None = True) -> None:
+        """Instance and trainer events into the timeline. ``trainer=None`` (async): never wait on
+        the trainer (a call queues behind its training and would make the pipeline synchronous):
+        a drain sent earlier is collected if it has returned, and another is sent, so the
+        trainer's events do not pile up in it over a long run."""
+        evs = self.sgs.drain_events()
+        if trainer:
+            if self._trainer_events is not None:
+                evs += self._tget(self._trainer_events, "drain_events")
+                self._trainer_events = None
+            evs += self._tget(self.trainer.drain_events.remote(), "drain_events")
+        elif trainer is None:
+            if self._trainer_events is not None and ray.wait([self._trainer_events], timeout=0)[0]:
+                evs += self._tget(self._trainer_events, "drain_events")
+                self._trainer_events = None
+            if self._trainer_events is None:
+                self._trainer_events = self.trainer.drain_events.remote()
         self.timeline.extend(evs)
 
     def trained_ids(self) -> list[str]:

@@ -62,8 +62,8 @@ class IterationTrainer:
         self.iteration = -1
         self._reset(-1, 0)
         self.events: list[Event] = []
-        self.trained_ids: list[str] = []
         self.lineage: list[str] = []  # every request id the current weights were trained on: checkpointed
+        self._drained = 0  # lineage entries already returned by drain_trained_ids
 
     def _reset(self, iteration: int, expected: int) -> None:
         self.iteration, self.expected, self.received = iteration, expected, 0
@@ -140,7 +140,6 @@ class IterationTrainer:
         self.tokens += sum(p.num_tokens for p in items)
         if record:
             self.batches.append(batch)
-            self.trained_ids.extend(p.meta["request_id"] for p in items)
             self.lineage.extend(p.meta["request_id"] for p in items)
         self.events.append(Event("trainer", "train", self.iteration, self.trainer.version, t0, t1))
 
@@ -154,7 +153,8 @@ class IterationTrainer:
         return out
 
     def drain_trained_ids(self) -> list[str]:
-        out, self.trained_ids = self.trained_ids, []
+        """Request ids trained since the last call (the tail of the lineage)."""
+        out, self._drained = self.lineage[self._drained:], len(self.lineage)
         return out
 
     def parameters_vector(self):
@@ -175,6 +175,7 @@ class IterationTrainer:
     def load(self, path: str) -> dict:
         extra = self.trainer.load_checkpoint(path)
         self.lineage = list(extra.pop("lineage", []))
+        self._drained = len(self.lineage)
         return extra
 
     def get_lineage(self) -> list[str]:
