@@ -99,6 +99,7 @@ class Attempt:
 
     def __init__(self, cmd: list[str], log_path: Path, env: dict) -> None:
         self.started = time.time()
+        self.ended: float | None = None
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      start_new_session=True)
         self.lines: list[tuple[float, str]] = []
@@ -117,6 +118,7 @@ class Attempt:
 
     def finish(self) -> int:
         rc = self.proc.wait()
+        self.ended = self.ended or time.time()
         self._reader.join(timeout=30)
         self._log.close()
         return rc
@@ -180,15 +182,17 @@ def run_cli(cfg_args: list[str], out_dir: Path, env: dict, kills: int = 0, resta
 
 def _recovery(records: list[dict], attempts: list[Attempt], out_dir: Path) -> None:
     """Seconds from each fault until the run was whole again: a kill, until its replacement
-    instance held the current weights (``faults.jsonl``); a restart, until the resumed driver
-    logged its first iteration."""
+    instance held the current weights (the first ``faults.jsonl`` record after it from the same
+    driver process: a driver killed before it logged the fault leaves none); a restart, until
+    the resumed driver logged its first iteration."""
     faults = []
     if (out_dir / "faults.jsonl").is_file():
         faults = [json.loads(line) for line in (out_dir / "faults.jsonl").read_text().splitlines() if line.strip()]
     used: set[int] = set()
     for r in records:
         if r["kind"] == "kill":
-            match = next((i for i, f in enumerate(faults) if i not in used and f["time"] >= r["t"] - 1.0), None)
+            end = attempts[r["attempt"]].ended or float("inf")
+            match = next((i for i, f in enumerate(faults) if i not in used and r["t"] - 1.0 <= f["time"] <= end), None)
             if match is not None:
                 used.add(match)
                 f = faults[match]
