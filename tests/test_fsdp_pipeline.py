@@ -109,7 +109,9 @@ def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_sessi
 
         fsdp.save(str(tmp_path / "fsdp"), {"iteration": 0})  # gathered on rank 0, single-process format
         reader = Trainer(single.cfg)
-        assert reader.load_checkpoint(tmp_path / "fsdp") == {"iteration": 0} and reader.version == 1
+        extra = reader.load_checkpoint(tmp_path / "fsdp")  # the trainer actor adds its lineage to the extra
+        assert set(extra) == {"iteration", "lineage"} and extra["iteration"] == 0
+        assert sorted(extra["lineage"]) == sorted(single.get_lineage()) and reader.version == 1
         got = torch.cat([p.detach().flatten() for p in reader.model.parameters()]).numpy()
         np.testing.assert_array_equal(got, fsdp.parameters_vector())
         assert len(reader.opt.state_dict()["state"]) == len(list(reader.model.parameters()))  # Adam moments too
