@@ -180,7 +180,8 @@ def test_weights_whose_trainer_died_are_reported_as_a_trainer_failure(ray_sessio
         sgs.shutdown()
 
 
-def test_stream_async_run_trains_every_sample_once_through_instance_kills(ray_session, tiny_policy_dir):
+@pytest.mark.parametrize("mode", ["stream-async", "stream-sync"])
+def test_pipeline_trains_every_sample_once_through_instance_kills(ray_session, tiny_policy_dir, mode):
     """The instance is killed while idle between iterations (met by the next submit or weight
     update), and its replacement right after the first sample of a later iteration is scored
     (met by a poll, with the rest of that iteration unfinished). Two CPUs hold the trainer and
@@ -190,7 +191,7 @@ def test_stream_async_run_trains_every_sample_once_through_instance_kills(ray_se
     from streamrl.models.tiny import load_policy
     from streamrl.tasks.factory import make_task
 
-    cfg = _cfg(tiny_policy_dir, "mode=stream-async", "generation.prompts_per_iter=6")
+    cfg = _cfg(tiny_policy_dir, f"mode={mode}", "generation.prompts_per_iter=6")
     task = make_task(cfg)
     _, tok = load_policy(cfg.policy.path)
     ctx = RunContext(cfg, task, tok)
@@ -327,3 +328,57 @@ def test_a_run_whose_trainer_is_killed_stops_naming_the_trainer(ray_session, tin
 
     with pytest.raises(TrainerFailed, match="trainer"):
         train(_train_cfg(tiny_policy_dir, tmp_path / "run"), callbacks=[kill_trainer], echo=lambda *a: None)
+
+
+def test_an_engine_that_stops_stepping_while_its_actor_answers_is_replaced(ray_session, tiny_policy_dir):
+    import ray
+
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.heartbeat_timeout_s=3"))
+    sgs.add_instance()
+    sgs.add_instance()
+    requests = _requests(tiny_policy_dir, 12)
+    seen, stalled = [], []
+    try:
+        for c in sgs.generate(requests):
+            seen.append(c.request_id)
+            if not stalled:
+                stalled.append(_busiest(sgs))
+                ray.get(sgs.instances[stalled[0]].inject_fault.remote("hang"))  # its polls still return, empty
+        alive = list(sgs.instances)
+    finally:
+        sgs.shutdown()
+    assert sorted(seen) == sorted(r.request_id for r in requests)
+    assert sgs.counters["sgs/faults"] == 1 and "generated no token" in sgs.faults[0]["reason"]
+    assert sgs.faults[0]["instance"] == stalled[0] and stalled[0] not in alive and len(alive) == 2
+
+
+def test_an_instance_lost_after_the_last_iteration_costs_nothing(ray_session, tiny_policy_dir, tmp_path):
+    """Killed after the last iteration's step: the final evaluation runs on its replacement and
+    every trained iteration is saved (this used to lose the whole run)."""
+    import json
+
+    from streamrl.controller.driver import train
+
+    def kill_at_the_end(it, metrics):
+        if it == 3:
+            _kill_titled(b"ray::GenerationInstance")
+
+    summary = train(_train_cfg(tiny_policy_dir, tmp_path / "run"), callbacks=[kill_at_the_end], echo=lambda *a: None)
+    assert "eval/accuracy" in summary["after"] and summary["trained_samples_unique"] == 4 * 4 * 2
+    assert (tmp_path / "run" / "checkpoint" / "trainer.pt").is_file()
+    faults = [json.loads(line) for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()] if (
+        tmp_path / "run" / "faults.jsonl").is_file() else []
+    assert summary["trained_samples"] == 32 and len(faults) <= 1  # noticed at the final update or eval
+
+
+def test_more_instances_than_cpus_fails_before_ray_starts(tmp_path):
+    from streamrl.config import ConfigError
+    from streamrl.controller.driver import train
+
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "mode=stream-async", "generation.num_instances=3",
+                             "cluster.num_cpus=2"])
+    with pytest.raises(ConfigError, match=r"generation.num_instances \(3\).*cluster.num_cpus=2"):
+        train(cfg)
+    assert not (tmp_path / "config.yaml").exists()  # nothing was started or written

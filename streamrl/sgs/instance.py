@@ -64,6 +64,7 @@ class GenerationInstance:
         self._held: list[tuple[float, int, str]] = []  # (-priority, seq, request_id) heap
         self._held_reqs: dict = {}  # request_id -> GenRequest, while held here
         self._seq = itertools.count()
+        self._tokens_out = 0  # tokens of every completion handed out: with progress(), the liveness counter
 
     def ready(self) -> str:
         return self.name
@@ -136,8 +137,21 @@ class GenerationInstance:
     def poll(self, timeout: float = 0.5, max_items: int | None = None):
         self._top_up()
         out = self.engine.get_completions(timeout=timeout, max_items=max_items)
+        self._tokens_out += sum(len(c.output_ids) for c in out)
         self._top_up()
         return out
+
+    def liveness(self) -> int:
+        """Tokens generated so far (finished and running): it changes while the engine steps.
+        A process that answers calls while this stands still with work queued is hung."""
+        return self._tokens_out + sum(self.engine.progress().values())
+
+    def inject_fault(self, kind: str) -> None:
+        """Fault injection (tests, ``bench faults``): ``hang`` stops the engine stepping while
+        the actor keeps answering."""
+        if kind != "hang":
+            raise ValueError(f"inject_fault: unknown kind {kind!r}; known: 'hang'")
+        self.engine.stall()
 
     def poll_with_progress(self, timeout: float = 0.5) -> tuple[list, Progress]:
         """``poll`` and then ``progress`` in one call: a rebalancing SGS reads where requests

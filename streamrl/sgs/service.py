@@ -111,6 +111,8 @@ class StreamGenerationService:
         self.heartbeat_s = g.heartbeat_timeout_s
         self.faults: list[dict] = []  # one record per failed instance: name, reason, wall time, requeued
         self._early: list[Completion] = []  # polled while retiring an instance: handed out by the next poll
+        self._live: dict[str, tuple[int, float]] = {}  # instance -> (liveness counter, when it last changed)
+        self._live_checked = time.perf_counter()
         self._names = (f"gen-{i}" for i in itertools.count())
         self._handle = None
         self.version = 0
@@ -294,6 +296,24 @@ class StreamGenerationService:
                                     f"published them died ({type(exc).__name__})") from None
         return out
 
+    def _check_progress(self, now: float) -> None:
+        """Fail over an instance that has unfinished requests but has generated no token for the
+        heartbeat timeout while still answering (its engine stopped stepping). Read every quarter
+        of the timeout, only from instances with work."""
+        self._live_checked = now
+        busy = {n for n, c in self._unfinished_counts().items() if c}
+        for name in [n for n in self._live if n not in busy]:
+            del self._live[name]  # idle: its clock starts again when it gets work
+        values = self._gather({n: self.instances[n].liveness.remote() for n in busy if n in self.instances}, "liveness")
+        for name, value in values.items():
+            seen = self._live.get(name)
+            if seen is None or seen[0] != value:
+                self._live[name] = (value, now)
+            elif now - seen[1] > self.heartbeat_s:
+                del self._live[name]
+                self._fail(name, f"generated no token for {now - seen[1]:.0f}s with work queued "
+                                 f"(generation.heartbeat_timeout_s={self.heartbeat_s:g}s)")
+
     def _fail(self, name: str, reason: str) -> None:
         """Remove a dead or hung instance, start a replacement if allowed, and re-dispatch its
         unfinished requests (nothing is lost; each still completes exactly once)."""
@@ -426,6 +446,8 @@ class StreamGenerationService:
         for ref in [r for r in self._polls if r not in ready and now - self._armed_at.get(r, now) > self.heartbeat_s]:
             if ref in self._polls:  # a poll of 0.5 s that has not returned for the heartbeat timeout: hung
                 self._fail(self._polls[ref], f"answered no poll within generation.heartbeat_timeout_s={self.heartbeat_s:g}s")
+        if now - self._live_checked >= self.heartbeat_s / 4:
+            self._check_progress(now)
         out: list[Completion] = []
         for ref in ready:
             if ref not in self._polls:  # its instance was failed over just above

@@ -357,6 +357,11 @@ class GenerationEngine(ABC):
         """Requests queued in the engine that have not started."""
         return []
 
+    def stall(self) -> None:
+        """Fault injection: stop stepping for good while every call keeps answering (a hung
+        engine behind a live process). Tests and ``bench faults`` use it; nothing else should."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be stalled")
+
     def preempt(self, request_id: str, running: bool = True) -> Partial | None:
         """Stop ``request_id`` and return what it generated so far (empty outputs if it had not
         started), so it can resume elsewhere; it is then never returned by this engine. None if

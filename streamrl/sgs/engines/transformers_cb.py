@@ -269,6 +269,11 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             self._stats["gen/pause_wait_s"] += t1 - t0
             self._stats["gen/weight_update_s"] += t2 - t0
 
+    def stall(self) -> None:
+        """Park the CB loop between two steps and never resume it (fault injection)."""
+        self._stall = self._manager.pause()
+        self._stall.__enter__()
+
     # ------------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
