@@ -245,7 +245,7 @@ class StreamGenerationService:
         if left:
             self.instances[name] = actor  # keep polling it until they are in
             while any(inst == name for inst, _ in self.assigned.values()):
-                self._early.extend(self.poll(timeout=1.0))
+                self._early.extend(self._poll(timeout=1.0))  # not poll(): that would hand _early back
             self.instances.pop(name)
         if moved:
             self._dispatch_and_send(moved, [self.predicted.get(r.request_id, 1.0) for r in moved])
@@ -428,6 +428,9 @@ class StreamGenerationService:
         if self._early:
             out, self._early = self._early, []
             return out
+        return self._poll(timeout)
+
+    def _poll(self, timeout: float) -> list[Completion]:
         counts = self._unfinished_counts()
         # Progress is read only while a rebalancing check could act (some instance has free slots:
         # plan_round returns nothing otherwise); until then a plain poll, and no 0.1 s wake-ups.
