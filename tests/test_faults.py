@@ -382,3 +382,29 @@ def test_more_instances_than_cpus_fails_before_ray_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"generation.num_instances \(3\).*cluster.num_cpus=2"):
         train(cfg)
     assert not (tmp_path / "config.yaml").exists()  # nothing was started or written
+
+
+def test_a_hung_trainer_stops_the_run_within_the_timeout(ray_session, tiny_policy_dir, tmp_path):
+    from streamrl.controller.driver import train
+
+    frozen = []
+
+    def freeze_trainer(it, metrics):
+        if it == 1:
+            from streamrl.bench.faults import _cmdline, descendants
+
+            frozen.extend(p for p in descendants(os.getpid()) if _cmdline(p).startswith(b"ray::IterationTrainer"))
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+
+    try:
+        with pytest.raises(TrainerFailed, match=r"the trainer answered no .* within run.trainer_timeout_s=5s"):
+            train(_train_cfg(tiny_policy_dir, tmp_path / "run", "run.trainer_timeout_s=5"),
+                  callbacks=[freeze_trainer], echo=lambda *a: None)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert len(frozen) == 1
