@@ -370,7 +370,8 @@ def test_an_instance_lost_after_the_last_iteration_costs_nothing(ray_session, ti
     assert (tmp_path / "run" / "checkpoint" / "trainer.pt").is_file()
     faults = [json.loads(line) for line in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()] if (
         tmp_path / "run" / "faults.jsonl").is_file() else []
-    assert summary["trained_samples"] == 32 and len(faults) <= 1  # noticed at the final update or eval
+    # noticed at the final weight update or evaluation: one fault (written when seen, again when replaced)
+    assert summary["trained_samples"] == 32 and len({f["fault"] for f in faults}) == 1
 
 
 def test_more_instances_than_cpus_fails_before_ray_starts(tmp_path):

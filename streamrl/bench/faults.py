@@ -141,6 +141,7 @@ def run_cli(cfg_args: list[str], out_dir: Path, env: dict, kills: int = 0, resta
     t0 = time.time()
     attempts = [Attempt(base + ["run.overwrite=true"], out_dir.parent / f"{out_dir.name}-attempt0.log", env)]
     records: list[dict[str, Any]] = []
+    killed: set[int] = set()
     while True:
         cur = attempts[-1]
         wait = (t0 + events[0][0] - time.time()) if events else None
@@ -151,14 +152,18 @@ def run_cli(cfg_args: list[str], out_dir: Path, env: dict, kills: int = 0, resta
             pass
         _, kind = events.pop(0)
         if kind == "kill":
-            pids, deadline = instance_pids(cur.proc.pid), time.time() + 60
+            def alive() -> list[int]:  # an instance killed a moment ago may not be reaped yet
+                return [p for p in instance_pids(cur.proc.pid) if p not in killed]
+
+            pids, deadline = alive(), time.time() + 60
             while not pids and time.time() < deadline and cur.proc.poll() is None:
                 time.sleep(0.2)  # between a restart and its instances starting: wait for one
-                pids = instance_pids(cur.proc.pid)
+                pids = alive()
             if not pids:
                 continue
             victim = rng.choice(pids)
             os.kill(victim, signal.SIGKILL)
+            killed.add(victim)
             records.append({"kind": "kill", "t": time.time(), "pid": victim, "attempt": len(attempts) - 1})
             echo(f"  fault: killed generation instance pid {victim} at {time.time() - t0:.1f}s")
         else:
@@ -185,9 +190,13 @@ def _recovery(records: list[dict], attempts: list[Attempt], out_dir: Path) -> No
     instance held the current weights (the first ``faults.jsonl`` record after it from the same
     driver process: a driver killed before it logged the fault leaves none); a restart, until
     the resumed driver logged its first iteration."""
-    faults = []
+    latest: dict[tuple, dict] = {}  # a fault is written when it happens and again when replaced: keep the last
     if (out_dir / "faults.jsonl").is_file():
-        faults = [json.loads(line) for line in (out_dir / "faults.jsonl").read_text().splitlines() if line.strip()]
+        for line in (out_dir / "faults.jsonl").read_text().splitlines():
+            if line.strip():
+                f = json.loads(line)
+                latest[(f.get("fault"), f["time"])] = f
+    faults = sorted(latest.values(), key=lambda f: f["time"])
     used: set[int] = set()
     for r in records:
         if r["kind"] == "kill":

@@ -95,6 +95,7 @@ class RunContext:
         self.builder = RequestBuilder(tokenizer, cfg)
         self.reward_runner = RewardRunner.for_task(task, cfg.task, reward_fn=reward_fn)
         self.scorer = Scorer(task, tokenizer, self.reward_runner)
+        self.fault_log: str | None = None  # where the SGS appends generation faults (the driver sets it)
 
 
 def usable_prompts(cfg: Config, task, builder: RequestBuilder):
@@ -216,6 +217,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     _, tokenizer = load_policy(cfg.policy.path)
     task = make_task(cfg)
     ctx = RunContext(cfg, task, tokenizer, reward)
+    ctx.fault_log = str(out / "faults.jsonl")  # the SGS appends each fault as it happens
     train_prompts, eval_prompts, data_metrics = usable_prompts(cfg, task, ctx.builder)  # before Ray starts
     init_ray(cfg)
     stream = PromptStream(train_prompts, seed=cfg.run.seed, shuffle=not getattr(task, "ordered", False))
@@ -250,7 +252,6 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
             upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < cfg.run.iterations else None
             samples, metrics = pipeline.step(it, prompts, upcoming)
             done_it, done_stream = it, stream.state()
-            _write_faults(out, it, pipeline.take_faults())
             metrics.update(system_metrics())
             _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logger, sample_log, callbacks,
                            ckpt, stream, out)
@@ -347,15 +348,6 @@ def _rss_mb(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def _write_faults(out: Path, iteration: int, faults: list[dict]) -> None:
-    """Append generation faults (instance, reason, wall times of detection and replacement) to
-    ``out_dir/faults.jsonl``: a resumed run appends to the stopped run's, both are history."""
-    if faults:
-        with open(out / "faults.jsonl", "a") as f:
-            for fault in faults:
-                f.write(json.dumps({"iteration": iteration, **fault}) + "\n")
 
 
 def _extra(pipeline, iteration: int, stream_state: dict) -> dict:

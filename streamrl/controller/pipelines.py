@@ -78,10 +78,6 @@ class Pipeline:
     def ranker_state(self) -> dict | None:
         return None
 
-    def take_faults(self) -> list[dict]:
-        """Generation faults (``sgs.faults`` records) since the last call."""
-        return []
-
     def restore_ranker(self, state: dict | None) -> None:
         """Give a resumed run's ranker the stopped run's history."""
 
@@ -182,7 +178,8 @@ class DisaggPipeline(Pipeline):
             trainer_cpus = cfg.trainer.threads
         self.trainer = TrainerActor.options(num_cpus=trainer_cpus).remote(
             cfg.model_dump(), cfg.trainer.threads, self.max_staleness)
-        self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch, plan=plan)
+        self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch, plan=plan,
+                                           fault_log=getattr(ctx, "fault_log", None))
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
         for _ in range(cfg.generation.num_instances):
             self.sgs.add_instance()
@@ -193,7 +190,6 @@ class DisaggPipeline(Pipeline):
         self.timeline = Timeline()
         self._last_step_end = None
         self._saves: list[ray.ObjectRef] = []  # checkpoints sent to the trainer, not yet confirmed
-        self._faults_seen = 0
         self._trainer_events: ray.ObjectRef | None = None  # a drain in flight (async)
         self.scaler = None
         if cfg.generation.elastic:
@@ -402,11 +398,6 @@ class DisaggPipeline(Pipeline):
 
     def ranker_state(self) -> dict | None:
         return self.sgs.ranker.history_state() if self.sgs.ranker is not None else None
-
-    def take_faults(self) -> list[dict]:
-        new = self.sgs.faults[self._faults_seen:]
-        self._faults_seen = len(self.sgs.faults)
-        return [dict(f) for f in new]
 
     def restore_ranker(self, state: dict | None) -> None:
         if self.sgs.ranker is not None:

@@ -81,8 +81,9 @@ class StreamGenerationService:
     def __init__(self, cfg: Config, policy_path: str | None = None, dispatch: str | None = None,
                  dispatch_kwargs: dict | None = None, ranker: OnlineRanker | None | str = "config",
                  engine_overrides: dict | None = None, hold_back: bool | None = None,
-                 plan: PlacementPlan | None = None) -> None:
+                 plan: PlacementPlan | None = None, fault_log: str | None = None) -> None:
         g = cfg.generation
+        self.fault_log = fault_log  # a JSONL file each fault record is appended to as it happens
         self.cfg = cfg
         self.plan = plan  # the driver's placement plan; only GPU placement reads it
         self.policy_path = policy_path or cfg.policy.path
@@ -185,6 +186,7 @@ class StreamGenerationService:
                 self.counters["sgs/faults"] += 1
                 self.faults.append({"instance": "(starting)", "reason": f"died while starting ({type(exc).__name__})",
                                     "time": time.time(), "requeued": 0, "replacement": None, "replaced_at": None})
+                self._log_fault(self.faults[-1])
                 if not (g.restart and self.counters["sgs/restarts"] < g.max_restarts):
                     raise GenerationFailed(f"a generation instance died while starting ({type(exc).__name__}) and "
                                            f"no restart is left (generation.max_restarts={g.max_restarts})") from None
@@ -194,6 +196,7 @@ class StreamGenerationService:
             for record in self.faults:  # the starts that died before this one are recovered now
                 if record["instance"] == "(starting)" and record["replaced_at"] is None:
                     record["replacement"], record["replaced_at"] = name, time.time()
+                    self._log_fault(record)
             return name
 
     def _start_instance(self) -> str:
@@ -296,6 +299,15 @@ class StreamGenerationService:
                                     f"published them died ({type(exc).__name__})") from None
         return out
 
+    def _log_fault(self, record: dict) -> None:
+        """Append the record to ``fault_log`` now (a driver killed a moment later loses nothing);
+        a record is written again when its replacement is up: the last line of a fault wins."""
+        if self.fault_log:
+            import json
+
+            with open(self.fault_log, "a") as f:
+                f.write(json.dumps({"fault": self.faults.index(record), **record}) + "\n")
+
     def _check_progress(self, now: float) -> None:
         """Fail over an instance that has unfinished requests but has generated no token for the
         heartbeat timeout while still answering (its engine stopped stepping). Read every quarter
@@ -336,6 +348,7 @@ class StreamGenerationService:
         record = {"instance": name, "reason": reason, "time": time.time(), "requeued": len(orphans), "replacement": None,
                   "replaced_at": None}
         self.faults.append(record)
+        self._log_fault(record)
         g = self.cfg.generation
         if g.restart and self.counters["sgs/restarts"] < g.max_restarts:
             self.counters["sgs/restarts"] += 1
@@ -344,6 +357,7 @@ class StreamGenerationService:
                             self.counters["sgs/restarts"], g.max_restarts)
                 record["replacement"] = self.add_instance()
                 record["replaced_at"] = time.time()
+                self._log_fault(record)  # again, now with its replacement
             except GenerationFailed as exc:
                 if not self.instances:
                     raise
