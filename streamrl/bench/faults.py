@@ -304,15 +304,18 @@ def _role(pid: int) -> str:
 
 def _sample(pid: int) -> list[dict[str, Any]]:
     """RSS (MB) and open files of ``pid`` and every process under it."""
+    import math
+
+    from streamrl.controller.driver import rss_mb
+
     rows = []
     for p in [pid] + descendants(pid):
         try:
-            status = Path(f"/proc/{p}/status").read_text()
-            rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
-            fds = len(os.listdir(f"/proc/{p}/fd"))
-        except (OSError, StopIteration):
+            rss, fds = rss_mb(p), len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
             continue
-        rows.append({"pid": p, "role": "driver" if p == pid else _role(p), "rss_mb": rss, "open_files": fds})
+        if not math.isnan(rss):  # gone meanwhile, or a zombie
+            rows.append({"pid": p, "role": "driver" if p == pid else _role(p), "rss_mb": rss, "open_files": fds})
     return rows
 
 

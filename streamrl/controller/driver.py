@@ -255,17 +255,13 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
             metrics.update(system_metrics())
             _log_iteration(cfg, it, samples, metrics, pipeline, ctx, eval_prompts, logger, sample_log, callbacks,
                            ckpt, stream, out)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, GenerationFailed) as exc:  # the trainer is alive: keep what it trained, where exact
         try:
             message = _checkpoint_after_interrupt(pipeline, ckpt, done_it, start, done_stream)
         finally:
             _close_quietly(pipeline, sample_log, ctx, logger)
-        raise RunInterrupted(message) from None
-    except GenerationFailed as exc:  # the trainer is alive: keep what it has trained, where exact
-        try:
-            message = _checkpoint_after_interrupt(pipeline, ckpt, done_it, start, done_stream)
-        finally:
-            _close_quietly(pipeline, sample_log, ctx, logger)
+        if isinstance(exc, KeyboardInterrupt):
+            raise RunInterrupted(message) from None
         raise GenerationFailed(f"{exc}; {message}") from None
     except BaseException:
         _close_quietly(pipeline, sample_log, ctx, logger)
@@ -326,7 +322,7 @@ def system_metrics() -> dict[str, float]:
     (read from the raylet; absent where Ray does not answer): what ``bench soak`` watches for leaks."""
     import resource
 
-    out = {"sys/driver_rss_mb": _rss_mb(os.getpid()), "sys/driver_open_files": float(len(os.listdir("/proc/self/fd")))
+    out = {"sys/driver_rss_mb": rss_mb(os.getpid()), "sys/driver_open_files": float(len(os.listdir("/proc/self/fd")))
            if os.path.isdir("/proc/self/fd") else float("nan")}
     out["sys/driver_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     try:
@@ -340,7 +336,8 @@ def system_metrics() -> dict[str, float]:
     return out
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MB (/proc), NaN if it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):

@@ -183,10 +183,7 @@ class StreamGenerationService:
             try:
                 name = self._start_instance()
             except ray.exceptions.RayActorError as exc:
-                self.counters["sgs/faults"] += 1
-                self.faults.append({"instance": "(starting)", "reason": f"died while starting ({type(exc).__name__})",
-                                    "time": time.time(), "requeued": 0, "replacement": None, "replaced_at": None})
-                self._log_fault(self.faults[-1])
+                self._new_fault("(starting)", f"died while starting ({type(exc).__name__})", 0)
                 if not (g.restart and self.counters["sgs/restarts"] < g.max_restarts):
                     raise GenerationFailed(f"a generation instance died while starting ({type(exc).__name__}) and "
                                            f"no restart is left (generation.max_restarts={g.max_restarts})") from None
@@ -238,11 +235,7 @@ class StreamGenerationService:
         moved = [self._continuation(p) for p in parts]
         for req in moved:
             self.assigned.pop(req.request_id, None)
-        actor = self.instances.pop(name)
-        self._progress.pop(name, None)
-        for ref in [r for r, n in self._polls.items() if n == name]:
-            del self._polls[ref]
-            self._armed_at.pop(ref, None)
+        actor = self._detach(name)
         # what it did not stop (finishing now) still comes back through its last poll: wait for those
         left = [rid for rid, (inst, _) in self.assigned.items() if inst == name]
         if left:
@@ -250,8 +243,7 @@ class StreamGenerationService:
             while any(inst == name for inst, _ in self.assigned.values()):
                 self._early.extend(self._poll(timeout=1.0))  # not poll(): that would hand _early back
             self.instances.pop(name)
-        if moved:
-            self._dispatch_and_send(moved, [self.predicted.get(r.request_id, 1.0) for r in moved])
+        self._redispatch(moved)
         try:
             ray.get(actor.shutdown.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - it is going away either way
@@ -260,24 +252,37 @@ class StreamGenerationService:
         self.counters["sgs/instances_removed"] += 1
         return len(moved)
 
+    def _detach(self, name: str):
+        """Forget instance ``name`` (its polls and progress too) and return its actor handle."""
+        actor = self.instances.pop(name)
+        self._progress.pop(name, None)
+        for ref in [r for r, n in self._polls.items() if n == name]:
+            del self._polls[ref]
+            self._armed_at.pop(ref, None)
+        return actor
+
+    def _take_unfinished(self, name: str) -> list[GenRequest]:
+        """Unassign and return the requests ``name`` has not finished (to send elsewhere)."""
+        reqs = [req for inst, req in self.assigned.values() if inst == name]
+        for req in reqs:
+            del self.assigned[req.request_id]
+        return reqs
+
+    def _redispatch(self, requests: list[GenRequest]) -> None:
+        """Send requests taken off an instance through dispatch again, with their predictions."""
+        if requests:
+            self._dispatch_and_send(requests, [self.predicted.get(r.request_id, 1.0) for r in requests])
+
     def remove_instance(self, name: str) -> int:
         """Kill ``name`` and re-submit its unfinished requests elsewhere; returns how many moved."""
         if name not in self.instances:
             raise KeyError(f"no generation instance {name!r}; have {sorted(self.instances)}")
         if len(self.instances) == 1 and any(inst == name for inst, _ in self.assigned.values()):
             raise RuntimeError(f"cannot remove {name!r}: it is the last instance and has unfinished requests")
-        actor = self.instances.pop(name)
-        self._progress.pop(name, None)
-        for ref in [r for r, n in self._polls.items() if n == name]:
-            del self._polls[ref]
-        ray.kill(actor)
-        orphans = [req for inst, req in self.assigned.values() if inst == name]
-        predicted = [self.predicted[r.request_id] for r in orphans]
-        for req in orphans:
-            del self.assigned[req.request_id]
-        if orphans:
-            self._dispatch_and_send(orphans, predicted)
-            self.counters["sgs/resubmitted"] += len(orphans)
+        ray.kill(self._detach(name))
+        orphans = self._take_unfinished(name)
+        self._redispatch(orphans)
+        self.counters["sgs/resubmitted"] += len(orphans)
         self.counters["sgs/instances_removed"] += 1
         return len(orphans)
 
@@ -299,6 +304,15 @@ class StreamGenerationService:
                                     f"published them died ({type(exc).__name__})") from None
         return out
 
+    def _new_fault(self, instance: str, reason: str, requeued: int) -> dict:
+        """Count, record and log one fault; the record is filled in when a replacement is up."""
+        self.counters["sgs/faults"] += 1
+        record = {"fault": len(self.faults), "instance": instance, "reason": reason, "time": time.time(),
+                  "requeued": requeued, "replacement": None, "replaced_at": None}
+        self.faults.append(record)
+        self._log_fault(record)
+        return record
+
     def _log_fault(self, record: dict) -> None:
         """Append the record to ``fault_log`` now (a driver killed a moment later loses nothing);
         a record is written again when its replacement is up: the last line of a fault wins."""
@@ -306,7 +320,7 @@ class StreamGenerationService:
             import json
 
             with open(self.fault_log, "a") as f:
-                f.write(json.dumps({"fault": self.faults.index(record), **record}) + "\n")
+                f.write(json.dumps(record) + "\n")
 
     def _check_progress(self, now: float) -> None:
         """Fail over an instance that has unfinished requests but has generated no token for the
@@ -332,23 +346,12 @@ class StreamGenerationService:
         if name not in self.instances:
             return
         log.warning("generation instance %s %s: removed, its unfinished requests re-dispatched", name, reason)
-        actor = self.instances.pop(name)
-        self._progress.pop(name, None)
-        for ref in [r for r, n in self._polls.items() if n == name]:
-            del self._polls[ref]
-            self._armed_at.pop(ref, None)
         try:
-            ray.kill(actor)  # a hung process is stopped for good; a dead one is already gone
+            ray.kill(self._detach(name))  # a hung process is stopped for good; a dead one is already gone
         except Exception:  # noqa: BLE001 - the actor may be unknown to Ray by now
             pass
-        orphans = [req for inst, req in self.assigned.values() if inst == name]
-        for req in orphans:
-            del self.assigned[req.request_id]
-        self.counters["sgs/faults"] += 1
-        record = {"instance": name, "reason": reason, "time": time.time(), "requeued": len(orphans), "replacement": None,
-                  "replaced_at": None}
-        self.faults.append(record)
-        self._log_fault(record)
+        orphans = self._take_unfinished(name)
+        record = self._new_fault(name, reason, len(orphans))
         g = self.cfg.generation
         if g.restart and self.counters["sgs/restarts"] < g.max_restarts:
             self.counters["sgs/restarts"] += 1
@@ -367,9 +370,8 @@ class StreamGenerationService:
                 f"every generation instance is gone (the last, {name}, {reason}); "
                 + (f"generation.max_restarts={g.max_restarts} replacements used" if g.restart
                    else "generation.restart is false") + f"; {len(orphans)} requests were unfinished")
-        if orphans:
-            self._dispatch_and_send(orphans, [self.predicted.get(r.request_id, 1.0) for r in orphans])
-            self.counters["sgs/requeued"] += len(orphans)
+        self._redispatch(orphans)
+        self.counters["sgs/requeued"] += len(orphans)
 
     # ---------------------------------------------------------------------------------- weights
     def update(self, handle, version: int, wait: bool = True):
@@ -629,10 +631,9 @@ class StreamGenerationService:
             moved += len(reqs)
         self._gather({dst: self.instances[dst].submit.remote(reqs) for dst, reqs in per_dst.items()
                       if dst in self.instances}, "submit")
-        if lost_dst:
-            for req in lost_dst:
-                self.assigned.pop(req.request_id, None)
-            self._dispatch_and_send(lost_dst, [self.predicted.get(r.request_id, 1.0) for r in lost_dst])
+        for req in lost_dst:
+            self.assigned.pop(req.request_id, None)
+        self._redispatch(lost_dst)
         self.counters["sgs/rebalanced"] += moved
         self.counters["sgs/rebalance_rounds"] += 1
         return moved
