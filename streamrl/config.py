@@ -102,6 +102,13 @@ class RunConfig(_Section):
 class ClusterConfig(_Section):
     address: str | None = Field(None, description="existing Ray cluster address; None starts a local one")
     num_cpus: int = Field(2, ge=1, description="CPUs of the local Ray cluster")
+    ray_task_events: bool = Field(False, description="let Ray record an event per actor call (its dashboard's task "
+                                  "list); off by default: the GCS keeps them and grows with the run, and the run's "
+                                  "own timeline records the stages")
+
+    def actor_options(self) -> dict:
+        """Ray options every actor of a run is created with."""
+        return {"enable_task_events": self.ray_task_events}
 
 
 class PolicyConfig(_Section):

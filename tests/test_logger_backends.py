@@ -207,6 +207,20 @@ def test_missing_package_is_one_line_naming_the_extra(backend, monkeypatch, tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_logger_keeps_running_means_and_the_reward_series_not_rows(tmp_path):
+    logger = MetricsLogger(tmp_path, backends=("jsonl",))
+    for step in range(1, 201):
+        logger.log(step, {"reward/mean": step / 200, "time/gen_s": 2.0 if step % 2 else 4.0, "note": "x",
+                          "flag": True}, echo=False)
+    logger.log(201, {"eval/accuracy": 0.5}, echo=False)
+    logger.close()
+    assert not hasattr(logger, "history")  # rows live in the backends only
+    assert logger.mean("time/gen_s") == pytest.approx(3.0) and logger.mean("eval/accuracy") == 0.5
+    assert math.isnan(logger.mean("time/train_s")) and not logger.has("flag") and not logger.has("note")
+    assert logger.series["reward/mean"] == [s / 200 for s in range(1, 201)]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 201
+
+
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="'nosuch'.*known: console"):
         check_backends(["console", "nosuch"])

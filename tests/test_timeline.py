@@ -98,6 +98,24 @@ def test_json_round_trip(tmp_path):
     assert back.summary() == tl.summary()
 
 
+def test_spilled_timeline_keeps_nothing_in_memory_and_reads_back_every_event(tmp_path):
+    whole = pipeline_timeline(iterations=4)
+    tl = Timeline(whole.events()[:5])
+    spill = tmp_path / "timeline.jsonl"
+    tl.spill_to(spill)  # the events held so far go first
+    tl.extend(whole.events()[5:-1])
+    last = whole.events()[-1]
+    tl.add(last.who, last.what, last.iteration, last.version, last.start, last.end, **last.meta)
+    assert tl._events == [] and len(tl) == len(whole)
+    assert len(spill.read_text().splitlines()) == len(whole)
+    assert tl.events() == whole.events() and tl.summary() == whole.summary()
+    assert Timeline.from_json(spill).events() == whole.events()
+    tl.unspill()
+    assert not spill.exists() and tl.events() == whole.events() and len(tl) == len(whole)
+    tl.add("trainer", "eval", 9, 9, 200.0, 201.0)  # in memory again
+    assert len(tl) == len(whole) + 1 and not spill.exists()
+
+
 def test_gantt_writes_png_with_one_row_per_worker(tmp_path):
     tl = pipeline_timeline(iterations=4)
     tl.add("gen-10", "generate", 1, 1, 106.0, 107.0)  # natural order: gen-10 after gen-1

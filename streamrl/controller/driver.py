@@ -243,6 +243,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     if before:
         echo(f"held-out before RL: accuracy {before['eval/accuracy']:.3f} on {before['eval/samples']} samples")
         logger.log(0, before, echo=False)
+    pipeline.timeline.spill_to(out / "timeline.jsonl")  # events on disk as they come: the driver's memory stays flat
     t_run = time.time()
     done_it, done_stream = start - 1, stream.state()  # the last iteration whose step returned
     try:
@@ -271,13 +272,14 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
         logger.log(trained_it + 1, train_metrics, echo=False)  # async: the last steps finish after the loop
     rl_seconds = time.time() - t_run
     timeline = pipeline.timeline
+    timeline.unspill()  # into memory for the pictures and stats; timeline.json holds every event
     pipe_stats: dict[str, Any] = {}
     if len(timeline):
         from streamrl.metrics.timeline import gantt
 
         timeline.to_json(out / "timeline.json")
         gantt(timeline, out / "gantt.png", title=f"{cfg.mode}: {cfg.run.iterations} iterations")
-        pipe_stats = pipeline_stats(logger.history, timeline, rl_seconds, cfg.run.iterations - start)
+        pipe_stats = pipeline_stats(logger, timeline, rl_seconds, cfg.run.iterations - start)
         pipe_stats["gantt"] = str(out / "gantt.png")
     after = evaluate(pipeline, ctx, eval_prompts, cfg.run.eval_samples, "after")
     logger.log(cfg.run.iterations + 1, after, echo=False)
@@ -285,7 +287,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     lineage = pipeline.lineage()
     (out / "lineage.json").write_text(json.dumps(lineage))  # what the final weights were trained on
     final = export_policy(ckpt / "policy", out / "policy", save_dtype(cfg))
-    rewards = [h["reward/mean"] for h in logger.history if "reward/mean" in h]
+    rewards = logger.series["reward/mean"]
     summary = {"before": before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
                "rewards": rewards, "reward_trend": reward_trend(rewards),
                "trained_samples": len(lineage), "trained_samples_unique": len(set(lineage)),
@@ -389,18 +391,15 @@ def reward_trend(rewards: list[float]) -> dict[str, float]:
             "slope_per_iter": slope}
 
 
-def pipeline_stats(history: list[dict], timeline, rl_seconds: float, iterations: int) -> dict[str, float]:
+def pipeline_stats(logger, timeline, rl_seconds: float, iterations: int) -> dict[str, float]:
     """How well the run overlapped its stages: ``efficiency`` = max(mean generation time, mean
     training time per iteration) / the measured step time (1.0 = the slower stage alone sets the
     pace, as with perfect overlap; colocated runs sit near gen / (gen + train)), and the busy
-    fractions of the generation instances and the trainer over the run (from the timeline)."""
-    def mean(key: str) -> float:
-        vals = [h[key] for h in history if isinstance(h.get(key), (int, float))]
-        return float(np.mean(vals)) if vals else float("nan")
-
+    fractions of the generation instances and the trainer over the run (from the timeline);
+    ``logger`` gives the running means (``MetricsLogger.mean``)."""
     step_s = rl_seconds / max(iterations, 1)
-    gen_s, train_s = mean("time/gen_s"), mean("time/train_s") + (mean("time/prepare_s") if any(
-        "time/prepare_s" in h for h in history) else 0.0)
+    gen_s = logger.mean("time/gen_s")
+    train_s = logger.mean("time/train_s") + (logger.mean("time/prepare_s") if logger.has("time/prepare_s") else 0.0)
     summary = timeline.summary()
     gen_rows = [r for r in timeline.rows() if r != "trainer"]
     busy = [summary.get(f"busy/{r}", 0.0) for r in gen_rows]

@@ -101,7 +101,7 @@ class ColocatedPipeline(Pipeline):
 
         self.cfg, self.ctx, self.plan = cfg, ctx, plan
         threads = cfg.cluster.num_cpus
-        self.worker = ColocatedWorker.options(num_cpus=threads).remote(cfg.model_dump(), threads)
+        self.worker = ColocatedWorker.options(num_cpus=threads, **cfg.cluster.actor_options()).remote(cfg.model_dump(), threads)
         self.timeline = Timeline()
 
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
@@ -176,7 +176,7 @@ class DisaggPipeline(Pipeline):
             trainer_cpus = 0
         else:
             trainer_cpus = cfg.trainer.threads
-        self.trainer = TrainerActor.options(num_cpus=trainer_cpus).remote(
+        self.trainer = TrainerActor.options(num_cpus=trainer_cpus, **cfg.cluster.actor_options()).remote(
             cfg.model_dump(), cfg.trainer.threads, self.max_staleness)
         self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch, plan=plan,
                                            fault_log=getattr(ctx, "fault_log", None))

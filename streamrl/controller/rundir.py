@@ -18,7 +18,7 @@ from pathlib import Path
 
 from streamrl.errors import UserError
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "timeline.json", "gantt.png", "samples.jsonl", "config.yaml", "mlflow.db",
+RUN_FILES = ("metrics.jsonl", "summary.json", "timeline.json", "timeline.jsonl", "gantt.png", "samples.jsonl", "config.yaml", "mlflow.db",
              "lineage.json", "faults.jsonl")
 RUN_DIRS = ("checkpoint", "checkpoints", "policy", "policy.tmp", "tensorboard", "wandb")
 LOCK = ".lock"

@@ -216,10 +216,14 @@ class _Mlflow:
 
 class MetricsLogger:
     """Sends each iteration's metrics to the chosen ``backends`` (see ``BACKENDS``); ``config`` (the
-    run's ``Config``, may be None) names the wandb/mlflow project and run and is logged with them."""
+    run's ``Config``, may be None) names the wandb/mlflow project and run and is logged with them.
+
+    It keeps no rows (a run of any length holds its memory flat; the rows are in the backends):
+    ``mean(key)`` is the running mean of a numeric key over what was logged, and ``series[key]``
+    every value of the keys named in ``series_keys``."""
 
     def __init__(self, out_dir: str | Path, backends=("console", "jsonl", "tensorboard"), echo=print,
-                 config=None) -> None:
+                 config=None, series_keys: tuple[str, ...] = ("reward/mean",)) -> None:
         check_backends(backends)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +237,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
         self._runs: list[_Wandb | _Mlflow] = []
         self.echo = echo
-        self.history: list[dict[str, Any]] = []
+        self._sums: dict[str, list[float]] = {}  # key -> [sum, count]
+        self.series: dict[str, list[float]] = {k: [] for k in series_keys}
         try:
             if "wandb" in backends:
                 self._runs.append(_Wandb(self.out_dir, config))
@@ -243,9 +248,23 @@ class MetricsLogger:
             self.close()  # no wandb run left open behind a failed mlflow start
             raise
 
+    def mean(self, key: str) -> float:
+        """Mean of every numeric value logged under ``key``; NaN when there was none."""
+        total, count = self._sums.get(key, (0.0, 0))
+        return total / count if count else float("nan")
+
+    def has(self, key: str) -> bool:
+        return key in self._sums
+
     def log(self, step: int, metrics: dict[str, Any], echo: bool = True) -> None:
         record = {"step": step, "time": time.time(), **metrics}
-        self.history.append(record)
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                acc = self._sums.setdefault(key, [0.0, 0])
+                acc[0] += value
+                acc[1] += 1
+                if key in self.series:
+                    self.series[key].append(float(value))
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record, default=float) + "\n")
             self._jsonl.flush()

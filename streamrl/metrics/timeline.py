@@ -7,6 +7,10 @@ Dataflow::
     the driver collects them (actors return ``tl.events()``; ``driver_tl.extend(events)``)
     at the end of a run: ``tl.to_json(path)``, ``gantt(tl, png)``, ``tl.summary()`` -> metrics
 
+A long run's driver calls ``tl.spill_to(path)``: from then on events go to a JSON-lines file
+as they arrive and none stay in memory (a run of any length holds the driver's memory flat);
+reads (``events()``, ``summary()``) load the file; ``unspill()`` brings them back for reporting.
+
 Clock: ``time.time()`` (wall clock), so events from different processes on one node line up;
 across nodes they are as good as the nodes' clock sync. ``Timeline.t0`` (the earliest start)
 is the run's origin in pictures and summaries.
@@ -41,11 +45,41 @@ class Timeline:
     def __init__(self, events: Iterable[Event] = ()) -> None:
         self._lock = threading.Lock()
         self._events: list[Event] = list(events)
+        self._spill: Path | None = None
+        self._count = len(self._events)
+
+    def spill_to(self, path: str | Path) -> None:
+        """Keep events in ``path`` (JSON lines, appended as they arrive) instead of in memory;
+        the events held so far go first."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            path.write_text("".join(json.dumps(asdict(e)) + "\n" for e in self._events))
+            self._spill = path
+            self._events = []
+
+    def unspill(self) -> None:
+        """Back to memory: read the spill file's events in and remove the file."""
+        with self._lock:
+            if self._spill is None:
+                return
+            path, self._spill = self._spill, None
+            self._events = [Event(**json.loads(line)) for line in path.read_text().splitlines() if line]
+            path.unlink()
+
+    def _append(self, events: list[Event]) -> None:
+        # caller holds self._lock
+        self._count += len(events)
+        if self._spill is None:
+            self._events.extend(events)
+        elif events:
+            with self._spill.open("a") as f:
+                f.write("".join(json.dumps(asdict(e)) + "\n" for e in events))
 
     def add(self, who: str, what: str, iteration: int, version: int, start: float, end: float, **meta) -> Event:
         ev = Event(who, what, iteration, version, start, end, meta)
         with self._lock:
-            self._events.append(ev)
+            self._append([ev])
         return ev
 
     @contextmanager
@@ -64,16 +98,20 @@ class Timeline:
         if bad:
             raise TypeError(f"Timeline.extend got {len(bad)} non-Event items, first: {bad[0]!r}")
         with self._lock:
-            self._events.extend(events)
+            self._append(events)
 
     def events(self) -> list[Event]:
         """A copy, sorted by start time."""
         with self._lock:
-            return sorted(self._events, key=lambda e: (e.start, e.end))
+            if self._spill is None:
+                evs = list(self._events)
+            else:
+                evs = [Event(**json.loads(line)) for line in self._spill.read_text().splitlines() if line]
+        return sorted(evs, key=lambda e: (e.start, e.end))
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._events)
+            return self._count
 
     @property
     def t0(self) -> float:
@@ -96,8 +134,11 @@ class Timeline:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Timeline":
-        data = json.loads(Path(path).read_text())
-        return cls(Event(**d) for d in data["events"])
+        """Read ``to_json``'s file, or a ``spill_to`` file (``.jsonl``)."""
+        text = Path(path).read_text()
+        if Path(path).suffix == ".jsonl":
+            return cls(Event(**json.loads(line)) for line in text.splitlines() if line)
+        return cls(Event(**d) for d in json.loads(text)["events"])
 
     def summary(self, t0: float | None = None, t1: float | None = None) -> dict[str, float]:
         """``busy/<who>`` (any non-idle work) and ``busy/<who>/<what>`` fractions of [t0, t1]

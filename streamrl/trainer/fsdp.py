@@ -315,7 +315,7 @@ class FSDPTrainerGroup:
         for rank, b in enumerate(bundles):
             labels = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
             self.workers.append(rank_actor.options(
-                num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=labels,
+                num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=labels, **cfg.cluster.actor_options(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(rank, self.world_size, cfg.model_dump(), policy_path, dtype, max(1, int(b.get("CPU", 1)))))
         addr, port = ray.get(self.workers[0].endpoint.remote())
