@@ -336,11 +336,48 @@ def slope_per_100(xs: list[float], ys: list[float]) -> float:
     return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0] * 100)
 
 
+def role_table(samples: list[dict[str, Any]], iterations: int) -> list[dict[str, Any]]:
+    """Per role (several processes may share one): RSS and open files at the first sample and the
+    last one of the loop, their slopes per 100 iterations over the loop's second half, the mean RSS
+    of each block of 100 iterations, and the peak after the loop (samples whose ``iteration`` is
+    ``iterations``: the end-of-run report)."""
+    half = iterations // 2
+    by_role: dict[str, list[dict]] = {}
+    for s in samples:
+        by_role.setdefault(s["role"], []).append(s)
+    table = []
+    for role, ss in sorted(by_role.items()):
+        # per sample time, the role's total (several processes may share a role)
+        at: dict[float, dict[str, float]] = {}
+        for s in ss:
+            cur = at.setdefault(s["t"], {"iteration": s["iteration"], "rss_mb": 0.0, "open_files": 0.0, "n": 0})
+            cur["rss_mb"] += s["rss_mb"]
+            cur["open_files"] += s["open_files"]
+            cur["n"] += 1
+        ordered = [v for _, v in sorted(at.items())]
+        loop = [v for v in ordered if v["iteration"] < iterations] or ordered
+        pts = [v for v in loop if v["iteration"] >= half]
+        after = [v["rss_mb"] for v in ordered if v["iteration"] >= iterations]
+        first, last = ordered[0], loop[-1]
+        blocks: dict[int, list[float]] = {}
+        for v in loop:
+            blocks.setdefault(v["iteration"] // 100, []).append(v["rss_mb"])
+        table.append({"role": role, "processes": last["n"], "rss_mb_first": first["rss_mb"],
+                      "rss_mb_last": last["rss_mb"], "rss_mb_after_loop": max(after, default=float("nan")),
+                      "rss_mb_per_block": {100 * b: sum(v) / len(v) for b, v in sorted(blocks.items())},
+                      "rss_mb_per_100_iter": slope_per_100(
+                          [p["iteration"] for p in pts], [p["rss_mb"] for p in pts]),
+                      "open_files_last": last["open_files"], "open_files_per_100_iter": slope_per_100(
+                          [p["iteration"] for p in pts], [p["open_files"] for p in pts])})
+    return table
+
+
 def bench_soak(cfg_args: list[str], out_dir: Path, sample_s: float = 5.0, echo=print) -> dict[str, Any]:
     """One long run as a child process: every ``sample_s`` seconds the resident memory and open
     files of each of its processes; Ray's object store per iteration (the driver logs it); files
-    in /dev/shm before and after. Slopes are fitted over the second half of the run, after the
-    warm-up (allocator pools, caches) has settled."""
+    in /dev/shm before and after. Slopes are fitted over the second half of the iterations, after
+    the warm-up (allocator pools, caches) has settled, and before the end-of-run report (the final
+    evaluation, timeline picture and policy export, whose peak is ``rss_mb_after_loop``)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     shm_before = _shm()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -365,26 +402,7 @@ def bench_soak(cfg_args: list[str], out_dir: Path, sample_s: float = 5.0, echo=p
     per_iter = [r for r in rows if "sys/driver_rss_mb" in r]
     iterations = len(per_iter)
     half = iterations // 2
-    by_role: dict[str, list[dict]] = {}
-    for s in samples:
-        by_role.setdefault(s["role"], []).append(s)
-    table = []
-    for role, ss in sorted(by_role.items()):
-        # per sample time, the role's total (several processes may share a role)
-        at: dict[float, dict[str, float]] = {}
-        for s in ss:
-            cur = at.setdefault(s["t"], {"iteration": s["iteration"], "rss_mb": 0.0, "open_files": 0.0, "n": 0})
-            cur["rss_mb"] += s["rss_mb"]
-            cur["open_files"] += s["open_files"]
-            cur["n"] += 1
-        pts = [v for _, v in sorted(at.items()) if v["iteration"] >= half]
-        first = next(v for _, v in sorted(at.items()))
-        last = [v for _, v in sorted(at.items())][-1]
-        table.append({"role": role, "processes": last["n"], "rss_mb_first": first["rss_mb"],
-                      "rss_mb_last": last["rss_mb"], "rss_mb_per_100_iter": slope_per_100(
-                          [p["iteration"] for p in pts], [p["rss_mb"] for p in pts]),
-                      "open_files_last": last["open_files"], "open_files_per_100_iter": slope_per_100(
-                          [p["iteration"] for p in pts], [p["open_files"] for p in pts])})
+    table = role_table(samples, iterations)
     second = per_iter[half:]
     store = [r.get("sys/object_store_bytes") for r in second if r.get("sys/object_store_bytes") is not None]
     steps = [r["step"] for r in second if r.get("sys/object_store_bytes") is not None]
