@@ -247,6 +247,11 @@ class GenerationConfig(_Section):
     rebalance: bool = Field(False, description="move requests off an instance whose predicted remaining work "
                             "exceeds the least loaded one's while some instance has free slots (beyond the paper)")
     rebalance_threshold: float = Field(0.25, ge=0, lt=1, description="rebalance when (T_max - T_min) > this x T_max")
+    partial_rollout: bool = Field(False, description="stream-async: a new policy version is installed on the "
+                                  "instances as soon as the trainer publishes it, between two decode steps of the "
+                                  "running requests (each token records the version that sampled it), and the next "
+                                  "iteration's prompts are admitted into free batch slots while the staleness bound "
+                                  "allows, so the long tail no longer idles the instances")
     rebalance_running: bool = Field(True, description="rebalancing may also move running requests (stopped and "
                                     "resumed elsewhere with their generated prefix) where the engine can preempt")
     rebalance_interval_s: float = Field(0.1, gt=0, description="rebalancing checks progress at most this often")
@@ -329,6 +334,14 @@ class TrainerConfig(_Section):
                             "placement.trainer_gpus")
     fsdp_rank_cpus: float = Field(1.0, gt=0, description="CPUs each FSDP2 rank reserves on placement.device=cpu "
                                   "(a fraction shares a core; torch threads per rank: max(1, int(this)))")
+    max_staleness: int | None = Field(None, ge=0, description="versions a trained sample's oldest token may lag "
+                                      "the trainer; None = the mode's (0, stream-async 1); above 1 only in "
+                                      "stream-async, where generation then runs up to k iterations ahead")
+    correction: Literal["none", "decoupled", "tis"] = Field(
+        "none", description="off-policy correction of stale samples: none (PPO clip against the behaviour log-probs) | "
+        "decoupled (AReaL's decoupled PPO: clip against the trainer's pre-step policy, weight by pre-step / behaviour) "
+        "| tis (policy gradient weighted by truncated pi/behaviour per token)")
+    is_cap: float = Field(2.0, gt=0, description="truncation of the importance weights (decoupled and tis)")
     # PPO
     critic_lr: float = Field(5e-4, gt=0, description="PPO critic learning rate")
     vf_coef: float = Field(0.5, ge=0)
@@ -396,6 +409,28 @@ class Config(_Section):
     ranker: RankerConfig = RankerConfig()
     logging: LoggingConfig = LoggingConfig()
     placement: PlacementConfig = PlacementConfig()
+
+    def staleness_bound(self) -> int:
+        """The staleness bound k the run holds: ``trainer.max_staleness``, else the mode's."""
+        from streamrl.modes import get_mode
+
+        k = self.trainer.max_staleness
+        return get_mode(self.mode).max_staleness if k is None else k
+
+    @model_validator(mode="after")
+    def _staleness_fits_the_mode(self) -> "Config":
+        from streamrl.modes import get_mode
+
+        k, mode = self.trainer.max_staleness, get_mode(self.mode)
+        if k is not None and k != mode.max_staleness and mode.max_staleness == 0:
+            raise ValueError(f"trainer.max_staleness={k}: mode={self.mode!r} is synchronous (staleness 0); a bound "
+                             "above 0 needs mode=stream-async")
+        if k == 0 and mode.max_staleness > 0:
+            raise ValueError("trainer.max_staleness=0 in mode='stream-async': a synchronous run is mode=stream-sync")
+        if self.generation.partial_rollout and mode.max_staleness == 0:
+            raise ValueError(f"generation.partial_rollout=true needs mode=stream-async (mode={self.mode!r} installs "
+                             "weights only between iterations, with no request in flight)")
+        return self
 
     @model_validator(mode="after")
     def _trainer_backend_fits(self) -> "Config":

@@ -71,6 +71,13 @@ class Completion:
     """Wall-clock when its last token was sampled."""
     instance: str = ""
     """Name of the generation instance that produced it."""
+    token_versions: tuple[int, ...] = ()
+    """Policy version that sampled each output token (partial rollout: a weight update between two
+    decode steps changes it mid-response); empty = every token at ``version_start``."""
+
+    def versions(self) -> tuple[int, ...]:
+        """The version of each output token (``token_versions``, else ``version_start`` for all)."""
+        return self.token_versions or (self.version_start,) * len(self.output_ids)
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,11 @@ class Partial:
     version_start: int | None = None
     """Version installed when the stopped part started (None: it had not started)."""
     t_start: float | None = None
+    token_versions: tuple[int, ...] = ()
+    """Version that sampled each of ``output_ids`` (as ``Completion.token_versions``)."""
+
+    def versions(self) -> tuple[int, ...]:
+        return self.token_versions or (self.version_start,) * len(self.output_ids)
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,45 @@ def test_update_mid_flight_is_recorded_in_versions(backend, checkpoint, engine_f
     assert (got[-20:] - old[-20:]).abs().max() > 0.05
 
 
+def test_each_token_keeps_the_version_that_sampled_it_through_updates_and_preemption(backend, checkpoint,
+                                                                                   engine_factory):
+    """Partial rollout: a response that spans two weight updates records per token which version
+    sampled it; a request preempted after an update hands its prefix's versions over (the SGS
+    joins them to its continuation's)."""
+    import time
+
+    if backend == "vllm":
+        pytest.skip("the vLLM engine stamps versions per request (version_start / version_end), not per token")
+    old_ref = load_model(checkpoint)
+    sd1 = perturbed(old_ref.state_dict())
+    e = engine_factory(num_blocks=256, max_inflight=2)
+    e.add_request(req("spanning", 600))
+    e.add_request(req("moved", 600))
+
+    def wait_tokens(rid, n):
+        t0 = time.time()
+        while e.progress().get(rid, 0) < n:
+            assert time.time() - t0 < 60, e.progress()  # hang guard
+            time.sleep(0.005)
+
+    wait_tokens("spanning", 5)
+    e.update_weights(sd1, version=1)
+    wait_tokens("spanning", e.progress()["spanning"] + 5)
+    e.update_weights(sd1, version=2)
+    wait_tokens("moved", e.progress()["moved"] + 3)
+    part = e.preempt("moved")
+    (c,) = collect(e, 1)
+    v = c.versions()
+    assert len(v) == len(c.output_ids) and v[0] == 0 == c.version_start and v[-1] == 2 == c.version_end
+    assert list(v) == sorted(v) and set(v) == {0, 1, 2}
+    k = v.index(1)
+    assert k >= 5  # the tokens before the first update are version 0 ...
+    old = ref_logprobs(old_ref, c)
+    torch.testing.assert_close(torch.tensor(c.logprobs[:k]), old[:k], atol=ATOL, rtol=0)  # ... and old weights'
+    pv = part.versions()
+    assert len(pv) == len(part.output_ids) and pv[0] == 0 and pv[-1] == 2 and list(pv) == sorted(pv)
+
+
 def test_cancel_drops_waiting_and_running_requests(engine_factory):
     e = engine_factory(max_inflight=1, num_blocks=128)
     e.add_request(req("running", 3000))

@@ -7,6 +7,8 @@ import torch
 
 from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer.losses import (
+    decoupled_policy_loss,
+    tis_policy_loss,
     gae,
     grpo_advantages,
     kl_penalty,
@@ -269,3 +271,44 @@ def test_token_logprobs_keep_bf16_grad_dtype_and_check_inputs():
         token_logprobs(logits, torch.tensor([[0, 4]]))
     with pytest.raises(ValueError, match=r"\(1, 2, 4\).*\(2, 2\)"):
         token_logprobs(logits, torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_decoupled_ppo_weights_by_prox_over_behaviour_and_clips_around_prox():
+    # one sequence, three tokens; advantages +1
+    lp = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.9)]], requires_grad=True)
+    prox = torch.tensor([[math.log(0.4), math.log(0.3), math.log(0.6)]])
+    behav = torch.tensor([[math.log(0.2), math.log(0.6), math.log(0.6)]])
+    mask = torch.ones(1, 3)
+    loss, m = decoupled_policy_loss(lp, prox, behav, torch.tensor([1.0]), mask, clip_eps=0.2, is_cap=1.5)
+    # r = pi/prox = 1.25, 1.0, 1.5; w = min(prox/behav, 1.5) = min(2, 1.5), 0.5, 1.0
+    # per token: -w * min(r, clip(r, .8, 1.2)) = -1.5*1.2, -0.5*1.0, -1.0*1.2
+    assert loss.item() == pytest.approx(-(1.5 * 1.2 + 0.5 * 1.0 + 1.0 * 1.2) / 3)
+    assert m["clip_frac"] == pytest.approx(2 / 3) and m["is_capped_frac"] == pytest.approx(1 / 3)
+    assert m["is_weight_max"] == pytest.approx(2.0) and m["is_weight_min"] == pytest.approx(0.5)
+    assert m["is_weight_mean"] == pytest.approx((2.0 + 0.5 + 1.0) / 3)
+    loss.backward()
+    # clipped tokens get no gradient; the middle one: d/dlp of -0.5 * exp(lp - prox) = -0.5 * r / 3
+    assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 2].item() == 0.0
+    assert lp.grad[0, 1].item() == pytest.approx(-0.5 / 3)
+
+
+def test_decoupled_ppo_with_fresh_samples_is_ppo():
+    torch.manual_seed(0)
+    lp = torch.randn(2, 4, requires_grad=True)
+    old = (lp + 0.1 * torch.randn(2, 4)).detach()
+    adv, mask = torch.tensor([1.0, -0.5]), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float)
+    a, _ = decoupled_policy_loss(lp, old, old, adv, mask)
+    b, _ = policy_loss(lp, old, adv, mask)
+    assert a.item() == pytest.approx(b.item())
+
+
+def test_truncated_is_weights_the_policy_gradient_per_token():
+    lp = torch.tensor([[math.log(0.5), math.log(0.1)]], requires_grad=True)
+    behav = torch.tensor([[math.log(0.1), math.log(0.2)]])
+    loss, m = tis_policy_loss(lp, behav, torch.tensor([2.0]), torch.ones(1, 2), is_cap=3.0)
+    # rho = min(5, 3) = 3, min(0.5, 3) = 0.5; loss = -(3 * 2 * lp0 + 0.5 * 2 * lp1) / 2
+    assert loss.item() == pytest.approx(-(6 * math.log(0.5) + 1.0 * math.log(0.1)) / 2)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-3.0, -0.5])
+    assert m["clip_frac"] == pytest.approx(0.5) and m["is_weight_max"] == pytest.approx(5.0)
+    assert m["is_weight_std"] == pytest.approx(2.25)

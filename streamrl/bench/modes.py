@@ -23,6 +23,7 @@ recall/Spearman, averaged over the timed iterations.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -38,17 +39,34 @@ VARIANTS: dict[str, dict[str, str]] = {
 RANK_KEYS = ("rank/recall@20%", "rank/recall@10%", "rank/recall@5%", "rank/spearman")
 
 
+ASYNC_ROW = re.compile(r"stream-async(?:-k(\d+))?(-partial)?")
+"""``stream-async-k<k>`` (``trainer.max_staleness=k``) and ``...-partial``
+(``generation.partial_rollout``): rows beyond one-step asynchrony."""
+
+
 def mode_config(cfg: Config, mode: str) -> Config:
-    """``cfg`` for one bench row: ``MODE`` or ``MODE+VARIANT`` (see the module docstring)."""
+    """``cfg`` for one bench row: ``MODE`` or ``MODE+VARIANT`` (see the module docstring); MODE
+    may also be ``stream-async-k<k>[-partial]`` or ``stream-async-partial`` (``ASYNC_ROW``)."""
     base, _, variant = mode.partition("+")
+    staleness, partial = None, False
+    m = ASYNC_ROW.fullmatch(base)
+    if m and base != "stream-async":
+        staleness, partial, base = int(m.group(1)) if m.group(1) else None, bool(m.group(2)), "stream-async"
+        if staleness is not None and staleness < 1:
+            raise ValueError(f"{mode!r}: the staleness bound k must be >= 1")
     if base not in MODES:
-        raise ValueError(f"unknown mode {base!r} in {mode!r}; known: {list(MODES)}")
+        raise ValueError(f"unknown mode {base!r} in {mode!r}; known: {list(MODES)} and "
+                         "stream-async-k<k>[-partial], stream-async-partial")
     if variant and variant not in VARIANTS:
         raise ValueError(f"unknown scheduling variant {variant!r} in {mode!r}; known: {sorted(VARIANTS)}")
     if variant and base == "colocated":
         raise ValueError(f"{mode!r}: colocated mode has no SGS to dispatch over")
     out = cfg.model_copy(deep=True)
     out.mode = base
+    if staleness is not None:
+        out.trainer.max_staleness = staleness
+    if partial:
+        out.generation.partial_rollout = True
     for key, value in VARIANTS.get(variant, {}).items():
         setattr(out.generation, key, value)
     return out
@@ -76,7 +94,7 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str
                 t_start = time.time()
             prompts = stream.next_batch(cfg.generation.prompts_per_iter)
             ctx.scorer.register(prompts)
-            upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < warmup + iterations else None
+            upcoming = stream.upcoming(cfg.generation.prompts_per_iter, min(pipe.lookahead, warmup + iterations - it - 1))
             samples, metrics = pipe.step(it, prompts, upcoming)
             if it >= warmup:
                 samples_n += len(samples)
@@ -111,6 +129,8 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str
             # the trainer's whole stage: optimizer steps plus per-sample work (ref/critic forwards)
             "train_s": mean("time/train_s") + (mean("time/prepare_s") if cfg.mode != "colocated" else 0.0),
             "reward_mean": mean("reward/mean"), "gantt": str(png),
+            "staleness_max": max((m.get("staleness/max", 0) for m in per_iter), default=0),
+            "staleness_token_mean": mean("staleness/token_mean"),
             "response_lengths": lengths}
 
 

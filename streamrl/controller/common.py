@@ -55,6 +55,11 @@ class PromptStream:
         ahead = PromptStream(self.prompts, self.seed, self.epoch, self.index, self.shuffle)
         return ahead.next_batch(k)
 
+    def upcoming(self, k: int, batches: int) -> list[Prompt] | None:
+        """The next ``batches`` batches of ``k`` prompts, as one list (None for none): what a
+        pipeline that admits later iterations early (``Pipeline.lookahead``) is handed."""
+        return self.peek_batch(k * batches) if batches > 0 else None
+
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
 

@@ -250,7 +250,7 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
         for it in range(start, cfg.run.iterations):
             prompts = stream.next_batch(cfg.generation.prompts_per_iter)
             ctx.scorer.register(prompts)
-            upcoming = stream.peek_batch(cfg.generation.prompts_per_iter) if it + 1 < cfg.run.iterations else None
+            upcoming = stream.upcoming(cfg.generation.prompts_per_iter, min(pipeline.lookahead, cfg.run.iterations - it - 1))
             samples, metrics = pipeline.step(it, prompts, upcoming)
             done_it, done_stream = it, stream.state()
             metrics.update(system_metrics())

@@ -38,11 +38,30 @@ def trainer_get(ref, what: str, timeout_s: float | None = None):
                             "the last checkpoint was left as it was") from None
 
 
+AHEAD_PRIORITY = 1e6
+"""Partial rollout: iteration i's requests get priority offset ``-i * AHEAD_PRIORITY``, so an
+engine always admits an earlier iteration's request first (order priorities are lengths)."""
+
+
+def staleness_metrics(iteration: int, completions: list[Completion]) -> dict[str, float]:
+    """How far behind the trainer (which trains iteration ``it`` at version ``it``) the samples
+    are: per sample by its oldest token (what the bound limits), and per token."""
+    if not completions:
+        return {"staleness/max": 0}
+    per_sample = [iteration - c.version_start for c in completions]
+    per_token = [iteration - v for c in completions for v in c.versions()]
+    return {"staleness/max": max(per_sample), "staleness/mean": sum(per_sample) / len(per_sample),
+            "staleness/token_mean": sum(per_token) / max(len(per_token), 1),
+            "staleness/mixed_samples": float(sum(len(set(c.versions())) > 1 for c in completions))}
+
+
 class Pipeline:
     """What the driver calls; each mode's pipeline implements it."""
 
     timeline: Timeline
     cfg: Config
+    lookahead: int = 1
+    """How many later iterations' prompts ``step`` wants in ``upcoming``."""
 
     def _tget(self, ref, what: str):
         return trainer_get(ref, what, self.cfg.run.trainer_timeout_s)
@@ -170,7 +189,11 @@ class DisaggPipeline(Pipeline):
 
         self.cfg, self.ctx, self.plan = cfg, ctx, plan
         self.mode = get_mode(cfg.mode)
-        self.max_staleness = self.mode.max_staleness
+        self.max_staleness = cfg.staleness_bound()
+        self.partial = cfg.generation.partial_rollout
+        self._ahead: dict[int, dict] = {}  # later iterations' requests, admitted early (partial rollout)
+        self._admitted_ahead = 0
+        self.lookahead = self.max_staleness if self.partial else 1
         if cfg.trainer.backend == "fsdp":
             # The actor only drives the FSDP2 ranks (their placement group holds the CPUs/GPUs).
             trainer_cpus = 0
@@ -224,6 +247,7 @@ class DisaggPipeline(Pipeline):
 
     # ------------------------------------------------------------------------------- one step
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
+        self._drain_ahead()
         self.finish()
         self._ensure_version(max(self.results, default=-1) + 1)
         return list(self.sgs.generate(requests))
@@ -232,6 +256,8 @@ class DisaggPipeline(Pipeline):
         """One iteration; ``upcoming`` (the next iteration's prompts) is handed to the ranker to
         score ahead, after this iteration's weights are installed."""
         t0 = time.time()
+        if self.max_staleness > 1 or self.partial:
+            self._install_newer()  # the freshest finished version; wait only for what the bound requires
         self._ensure_version(iteration - self.max_staleness)
         if upcoming:
             self.sgs.prefetch(upcoming)
@@ -257,7 +283,7 @@ class DisaggPipeline(Pipeline):
             # per-sample work (one forward for many samples) when it does not. Order is kept,
             # so the dynamic-batch cut (and the update) is the same either way.
             outbox: list[list] = []
-            for c in self.sgs.generate(requests):
+            for c in self._stream(iteration, requests, upcoming):
                 s = self.ctx.scorer.score(c, iteration)
                 samples.append(s)
                 key = s.prompt.prompt_id if n > 1 else c.request_id
@@ -278,8 +304,11 @@ class DisaggPipeline(Pipeline):
             self.timeline.add(c.instance, "generate", iteration, c.version_start, c.t_start, c.t_end)
         metrics = {"time/gen_s": gen_end - t0, "time/gen_active_s": gen_end - t_submit, "gen/version": gen_version,
                    "gen/tokens_per_s": sum(s.num_response_tokens for s in samples) / max(gen_end - t0, 1e-9),
-                   "staleness/max": max((self.sgs.version - s.completion.version_start for s in samples), default=0),
+                   **staleness_metrics(iteration, [s.completion for s in samples]),
                    **self.sgs.take_metrics()}  # ranker recall/Spearman of this batch, rebalancing counters
+        if self.partial:
+            metrics.update({"gen/admitted_ahead": float(self._admitted_ahead), "gen/iterations_ahead": float(len(self._ahead))})
+            self._admitted_ahead = 0
         if self.max_staleness == 0:
             res = self._result(iteration)
             self.sgs.update(res.handle, res.version)
@@ -306,6 +335,81 @@ class DisaggPipeline(Pipeline):
         # work and turn the asynchronous pipeline back into a synchronous one.
         self._collect_events(trainer=self.max_staleness == 0 or None)
         return samples, metrics
+
+    # ------------------------------------------------------------------ partial rollout
+    def _install_newer(self) -> None:
+        """Install the newest finished training result if it is newer than the installed version
+        (never waits on the trainer). With partial rollout this runs while requests are in flight:
+        the instances switch between two decode steps and each token records its version."""
+        for it in sorted(self.pending):
+            if it not in self.results and ray.wait([self.pending[it]], timeout=0)[0]:
+                self._result(it)
+        newest = max((r for r in self.results.values() if r.handle is not None), key=lambda r: r.version, default=None)
+        if newest is not None and newest.version > self.sgs.version:
+            self.sgs.update(newest.handle, newest.version)
+            self._release_old_weights()
+
+    def _stream(self, iteration: int, requests: list[GenRequest], upcoming):
+        """This iteration's completions as they finish. With partial rollout, new versions are
+        installed as the trainer publishes them, and later iterations' requests (``upcoming``:
+        the next ``lookahead`` batches) are admitted while the SGS has free batch slots and the
+        staleness bound allows (installed version >= that iteration - k: admission control,
+        nothing is discarded); each iteration's requests rank behind every earlier one's in the
+        engines, so they only fill slots the earlier ones leave free. Their completions wait for
+        their own ``step``."""
+        if not self.partial:
+            yield from self.sgs.generate(requests)
+            return
+        ppi = self.cfg.generation.prompts_per_iter
+        future = [upcoming[i * ppi:(i + 1) * ppi] for i in range(len(upcoming or []) // ppi)]
+        state = self._ahead.pop(iteration, None)
+        ids = [r.request_id for r in requests]
+        if state is None:
+            state = self._admit(iteration, requests)
+        elif state["ids"] != ids:
+            raise RuntimeError(f"iteration {iteration}: the requests admitted ahead ({len(state['ids'])}) are not "
+                               f"this iteration's ({len(ids)})")
+        yield from state["done"]
+        while state["wanted"]:
+            self._install_newer()
+            self._admit_ahead(iteration, future)
+            for c in self.sgs.poll():
+                owner = state if c.request_id in state["wanted"] else next(
+                    (a for a in self._ahead.values() if c.request_id in a["wanted"]), None)
+                if owner is None:
+                    raise RuntimeError(f"completion {c.request_id!r} belongs to no iteration in flight")
+                owner["wanted"].discard(c.request_id)
+                owner["done"].append(c)
+                if owner is state:
+                    yield c
+        self.sgs.finish_batch(requests, state["predicted"], state["done"])
+
+    def _admit(self, iteration: int, requests: list[GenRequest]) -> dict:
+        """Submit one iteration's requests; an earlier iteration's always rank first."""
+        self.sgs.submit(requests, priority_offset=-AHEAD_PRIORITY * iteration)
+        ids = [r.request_id for r in requests]
+        return {"ids": ids, "wanted": set(ids), "done": [], "predicted": {i: self.sgs.predicted[i] for i in ids}}
+
+    def _admit_ahead(self, iteration: int, future: list) -> None:
+        capacity = len(self.sgs.instances) * self.cfg.generation.max_requests_per_batch
+        while True:
+            nxt = max([iteration, *self._ahead]) + 1
+            if (nxt - iteration - 1 >= len(future) or self.sgs.version < nxt - self.max_staleness
+                    or self.sgs.pending() >= capacity):
+                return
+            self._ahead[nxt] = self._admit(nxt, self.ctx.builder.build(future[nxt - iteration - 1], nxt))
+            self._admitted_ahead += len(self._ahead[nxt]["ids"])
+
+    def _drain_ahead(self) -> None:
+        """Let the requests admitted ahead finish (they wait for their ``step``), so a call that
+        polls the SGS itself (an evaluation) sees only its own completions."""
+        while any(a["wanted"] for a in self._ahead.values()):
+            for c in self.sgs.poll():
+                owner = next((a for a in self._ahead.values() if c.request_id in a["wanted"]), None)
+                if owner is None:
+                    raise RuntimeError(f"completion {c.request_id!r} belongs to no iteration in flight")
+                owner["wanted"].discard(c.request_id)
+                owner["done"].append(c)
 
     def _room_for_instance(self) -> bool:
         """Whether Ray could place one more instance now (an add must never wait on resources

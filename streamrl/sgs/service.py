@@ -121,7 +121,7 @@ class StreamGenerationService:
         self._progress: dict[str, Progress] = {}  # instance -> its latest progress (from poll_with_progress)
         self._prefix: dict[str, Partial] = {}
         # request_id -> everything generated before its preemptions (the request as submitted, its
-        # tokens and log-probs, earliest version_start, first t_start): joined to the continuation
+        # tokens, log-probs and their versions, earliest version_start, first t_start): joined to the continuation
         self._moved_running: set[str] = set()
         self._recent = deque(maxlen=2048)  # recent output lengths: remaining_estimate's overshoot
         self._metrics: dict[str, float] = {}
@@ -403,7 +403,10 @@ class StreamGenerationService:
         return self.ranker.predict([r.prompt_id for r in requests]).tolist()
 
     # ------------------------------------------------------------------------------- requests
-    def submit(self, requests: list[GenRequest], predicted_lengths: Sequence[float] | None = None) -> None:
+    def submit(self, requests: list[GenRequest], predicted_lengths: Sequence[float] | None = None,
+               priority_offset: float = 0.0) -> None:
+        """Dispatch ``requests``; ``priority_offset`` is added to the order policy's priorities (a
+        batch admitted ahead of its iteration goes behind every request of the current one)."""
         if not self.instances:
             raise RuntimeError("the SGS has no generation instance; call add_instance() first")
         seen: set[str] = set()
@@ -420,17 +423,17 @@ class StreamGenerationService:
             bad = [x for x in lengths if not x >= 0]
             if bad:
                 raise ValueError(f"predicted lengths must be >= 0, got {bad[:5]}")
-        self._dispatch_and_send(requests, lengths)
+        self._dispatch_and_send(requests, lengths, priority_offset)
         if self.rebalance:
             self._maybe_rebalance()
 
-    def _dispatch_and_send(self, requests: list[GenRequest], lengths: list[float]) -> None:
+    def _dispatch_and_send(self, requests: list[GenRequest], lengths: list[float], priority_offset: float = 0.0) -> None:
         names = sorted(self.instances)
         choice = self.dispatch.assign(lengths, len(names))
         priorities = self.order.priorities(lengths)
         per_instance: dict[str, list[GenRequest]] = {}
         for r, k, length, prio in zip(requests, choice, lengths, priorities):
-            r = replace(r, priority=prio)
+            r = replace(r, priority=prio + priority_offset)
             per_instance.setdefault(names[k], []).append(r)
             self.assigned[r.request_id] = (names[k], r)
             self.predicted[r.request_id] = length
@@ -501,7 +504,7 @@ class StreamGenerationService:
         pre = self._prefix.pop(c.request_id)
         return replace(c, prompt_ids=tuple(pre.request.prompt_ids), output_ids=pre.output_ids + c.output_ids,
                        logprobs=pre.logprobs + c.logprobs, version_start=min(pre.version_start, c.version_start),
-                       t_start=pre.t_start)
+                       t_start=pre.t_start, token_versions=pre.versions() + c.versions())
 
     def generate(self, requests: list[GenRequest], predicted_lengths: Sequence[float] | None = None) -> Iterator[Completion]:
         """Submit ``requests`` and yield each completion as it finishes (completion order).
@@ -517,6 +520,11 @@ class StreamGenerationService:
                 done.append(c)
                 yield c
         self._end_batch(requests, predicted, done, given=predicted_lengths is not None)
+
+    def finish_batch(self, requests: list[GenRequest], predicted: dict[str, float], done: list[Completion]) -> None:
+        """What ``generate`` does after a batch's last completion, for a caller that submitted and
+        polled itself (``predicted``: ``self.predicted`` of each request, read at submission)."""
+        self._end_batch(requests, predicted, done, given=False)
 
     def _end_batch(self, requests: list[GenRequest], predicted: dict[str, float], done: list[Completion],
                    given: bool) -> None:
@@ -647,7 +655,7 @@ class StreamGenerationService:
         prev = self._prefix.get(rid)
         if prev is not None:  # preempted before: the earlier prefix comes first
             part = Partial(prev.request, prev.output_ids + tuple(part.output_ids), prev.logprobs + tuple(part.logprobs),
-                           min(prev.version_start, part.version_start), prev.t_start)
+                           min(prev.version_start, part.version_start), prev.t_start, prev.versions() + part.versions())
         self._prefix[rid] = part
         req, tokens = part.request, part.output_ids
         self._moved_running.add(rid)

@@ -118,6 +118,7 @@ class _Instance:
 class _Pool:
     def __init__(self, prompt: np.ndarray, out: np.ndarray, done0: np.ndarray) -> None:
         self.prompt, self.out, self.gen0 = prompt, out, done0
+        self.arrival = np.zeros(len(out))  # when each request reaches its instance's queue
         self.finish = np.zeros(len(out))
         self.where = np.full(len(out), -1)
         self.preemptions = 0
@@ -191,6 +192,7 @@ def simulate_generation(
     costs: Sequence[DecodeCost],
     rebalance: Rebalancing | bool = False,
     predicted: Sequence[float] | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> GenResult:
     """Run one generation call to completion.
 
@@ -198,7 +200,11 @@ def simulate_generation(
     ordered by the order policy); ``assignment`` is only used for checking. ``costs[i]`` is
     instance ``i``'s cost model. ``rebalance``: the check's settings, or True for the defaults
     with instance 0's latency model at the mean prompt length; ``predicted``: the lengths it
-    believes (default: the true ones).
+    believes (default: the true ones). ``arrivals``: when each request joins its queue (default:
+    all at 0; each queue must then list its requests in arrival order): an instance admits a
+    request only once it has arrived, and a span of decode steps ends at the first step after the
+    next arrival, so it joins the running batch then (continuous batching). Partial rollout's
+    next iteration arrives this way while the current one's tail still runs.
     """
     n = len(out_lens)
     pool = _Pool(np.asarray(prompt_lens, float), np.maximum(np.asarray(out_lens, float), 1), np.zeros(n))
@@ -211,6 +217,13 @@ def simulate_generation(
             raise ValueError(f"{len(pool.predicted)} predicted lengths for {n} requests")
         pool.budget = int(rebalance.max_new_tokens or pool.out.max(initial=1))
         pool.recent = sorted(float(x) for x in rebalance.recent)
+    if arrivals is not None:
+        pool.arrival = np.asarray(arrivals, float)
+        if len(pool.arrival) != n:
+            raise ValueError(f"{len(pool.arrival)} arrival times for {n} requests")
+        for i, q in enumerate(queues_order):
+            if any(pool.arrival[a] > pool.arrival[b] for a, b in zip(q, q[1:])):
+                raise ValueError(f"instance {i}'s queue is not in arrival order")
     if sum(len(q) for q in queues_order) != n:
         raise ValueError(f"queues hold {sum(len(q) for q in queues_order)} requests, batch has {n}")
     for i, q in enumerate(queues_order):
@@ -249,6 +262,8 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
         if not inst.queue:
             break
         rid = inst.queue[0]
+        if pool.arrival[rid] > t:
+            break  # not there yet
         need = pool.prompt[rid] + pool.gen0[rid]
         if inst.finish_step and inst.context() + need + len(inst.finish_step) + 1 > inst.cap:  # room for a step
             break
@@ -256,7 +271,13 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
         prefill += pool.admit(inst, rid)
     while inst.heap and inst.finish_step.get(inst.heap[0][1]) != inst.heap[0][0]:
         heapq.heappop(inst.heap)
+    head_arrival = pool.arrival[inst.queue[0]] if inst.queue else -1.0
     if not inst.finish_step:
+        if head_arrival > t:  # idle until the next request arrives
+            inst.span = (t, inst.step, 0.0, 0, 0.0)
+            pool.seq += 1
+            inst.event = pool.seq
+            heapq.heappush(events, (float(head_arrival), pool.seq, inst.idx))
         return
     while True:
         b = len(inst.finish_step)
@@ -270,6 +291,11 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
     k = inst.heap[0][0] - inst.step
     if k_cap < k and b > 1:
         k, inst.pending_preempt = k_cap, True
+    if head_arrival > t:  # end the span at the first step after the next arrival: it joins then
+        s1 = inst.cost.step_s(b, c0)
+        k_arr = max(1, math.ceil((head_arrival - t - prefill) / s1)) if s1 > 0 else k
+        if k_arr < k:
+            k, inst.pending_preempt = k_arr, False
     dt = prefill + k * inst.cost.step_s(b, c0 + b * (k - 1) / 2)
     inst.span = (t, inst.step, dt, k, prefill)
     inst.step += k

@@ -1,7 +1,8 @@
 """Stage-time estimators ``P_gen(x)`` and ``P_train(y)`` for Algorithm 1 (PAPER.md §3.3).
 
 ``SimEstimator`` profiles with the simulator: ``P_gen(x)`` runs one simulated generation call of a
-fixed workload sample on ``x`` devices for every tensor-parallel degree that fits and divides
+fixed workload sample (with partial rollout: the steady-state period of overlapping iterations,
+``systems.stream_period``) on ``x`` devices for every tensor-parallel degree that fits and divides
 ``x`` (the best one wins, and is remembered as the parallel configuration); ``P_train(y)`` is the
 trainer cost model on ``y`` devices (ZeRO-3 data parallel; ``inf`` when the states do not fit).
 
@@ -22,7 +23,7 @@ from streamrl.policies.latency import LatencyModel
 from streamrl.sim import cost as C
 from streamrl.sim.hardware import Gpu
 from streamrl.sim.models import ModelShape
-from streamrl.sim.systems import Deployment, SystemSpec, generate, get_system
+from streamrl.sim.systems import Deployment, SystemSpec, generate, get_system, stream_period
 from streamrl.sim.workload import Batch, Workload
 
 TP_CHOICES = (1, 2, 4, 8)
@@ -61,7 +62,10 @@ class SimEstimator:
         key = (x, tp)
         if key not in self._cache:
             dep = Deployment(self.model, self.gen_gpu, x, tp, self.train_gpu, 1)
-            self._cache[key] = generate(self.batch, self.system, dep, self.history, self.seed).makespan_s
+            if self.system.partial:  # iterations overlap: the steady-state period, not one call's makespan
+                self._cache[key] = stream_period(self.batch, self.system, dep, self.history, self.seed)
+            else:
+                self._cache[key] = generate(self.batch, self.system, dep, self.history, self.seed).makespan_s
         return self._cache[key]
 
     def p_gen(self, x: int) -> float:

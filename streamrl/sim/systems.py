@@ -54,6 +54,10 @@ class SystemSpec:
     max_staleness: int | None = None
     """Overrides the mode's staleness bound (None: the mode's)."""
     rebalance: bool = False
+    partial: bool = False
+    """Partial rollout (stream-async): new weights are installed mid-generation and the next
+    iteration's requests join the instances' batches once the current one leaves slots free and
+    the staleness bound allows (``run_partial``)."""
     verl: bool = False
     """verl's engine and trainer settings (eager, 0.5 KV memory, FSDP MFU, states resident)."""
     description: str = ""
@@ -79,7 +83,14 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
     SystemSpec("disagg-batch", "disagg-batch", description="disaggregated, no overlap"),
     SystemSpec("stream-sync", "stream-sync", description="dynamic-batch pipelining"),
     SystemSpec("stream-async", "stream-async", description="one-step async"),
-    SystemSpec("stream-async-s2", "stream-async", max_staleness=2, description="beyond paper: staleness 2"),
+    SystemSpec("stream-async-k2", "stream-async", max_staleness=2, description="beyond paper: staleness 2"),
+    SystemSpec("stream-async-k4", "stream-async", max_staleness=4, description="beyond paper: staleness 4"),
+    SystemSpec("stream-async-partial", "stream-async", partial=True,
+               description="beyond paper: staleness 1, partial rollout (the next iteration fills the tail's free slots)"),
+    SystemSpec("stream-async-k2-partial", "stream-async", max_staleness=2, partial=True,
+               description="beyond paper: staleness 2, partial rollout"),
+    SystemSpec("stream-async-k4-partial", "stream-async", max_staleness=4, partial=True,
+               description="beyond paper: staleness 4, partial rollout"),
     SystemSpec("stream-async-rebal", "stream-async", rebalance=True, description="beyond paper: runtime rebalancing, queued and running requests (policies.rebalance)"),
 )}
 
@@ -130,9 +141,8 @@ def colocated_deployment(model: str, gpu: str, gpus: int, tp: int) -> Deployment
     return Deployment(get_model(model), g, gpus, tp, g, gpus)
 
 
-def generate(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarray, seed: int = 0) -> GenResult:
-    """One ``generate(prompts)`` call of the SGS under ``spec``'s dispatch and order policies."""
-    cost = dep.decode_cost(spec)
+def _queues(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarray, seed: int, cost) -> tuple:
+    """Dispatch one submitted batch: (assignment, per-instance queues in admission order)."""
     n_inst = dep.instances
     kwargs: dict[str, Any] = {}
     mean_ctx = float(batch.prompt_lens.mean() + history.mean() / 2)
@@ -145,7 +155,79 @@ def generate(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarra
     per_inst: list[list[int]] = [[] for _ in range(n_inst)]
     for rid, inst in enumerate(assign):
         per_inst[inst].append(rid)
-    queues = [[ids[j] for j in order.order([batch.predicted[r] for r in ids])] for ids in per_inst]
+    return assign, [[ids[j] for j in order.order([batch.predicted[r] for r in ids])] for ids in per_inst]
+
+
+def generate_stream(batches: list[Batch], arrivals: list[float], spec: SystemSpec, dep: Deployment,
+                    history: np.ndarray, seed: int = 0) -> GenResult:
+    """Several ``submit`` calls into one pool: batch ``b`` is dispatched on its own (as the SGS
+    does each call) and reaches the queues at ``arrivals[b]``, behind every earlier batch's
+    requests (the live SGS gives requests admitted ahead a lower priority). Request ids are the
+    batches' concatenated in order."""
+    cost = dep.decode_cost(spec)
+    offsets = np.cumsum([0] + [len(b.out_lens) for b in batches])
+    assign_all: list[int] = []
+    queues: list[list[int]] = [[] for _ in range(dep.instances)]
+    for b, batch in enumerate(batches):
+        assign, qs = _queues(batch, spec, dep, history, seed + b, cost)
+        assign_all.extend(assign)
+        for i, q in enumerate(qs):
+            queues[i].extend(int(offsets[b] + r) for r in q)
+    arr = np.concatenate([np.full(len(b.out_lens), float(a)) for b, a in zip(batches, arrivals)])
+    return simulate_generation(np.concatenate([b.prompt_lens for b in batches]),
+                               np.concatenate([b.out_lens for b in batches]), assign_all, queues,
+                               [cost] * dep.instances, False, predicted=np.concatenate([b.predicted for b in batches]),
+                               arrivals=arr)
+
+
+def slots(dep: Deployment, spec: SystemSpec, batch: Batch) -> int:
+    """Requests the instances can run at once: batch slots, or as many full-length sequences of
+    this workload (mean prompt + mean output) as the KV cache holds, whichever is fewer."""
+    cost = dep.decode_cost(spec)
+    per_seq = float(batch.prompt_lens.mean() + batch.out_lens.mean())
+    return dep.instances * max(1, min(cost.max_batch, int(cost.kv_capacity_tokens // max(per_seq, 1.0))))
+
+
+def admission_times(batches: list[Batch], spec: SystemSpec, dep: Deployment, history: np.ndarray, seed: int = 0,
+                    gate: list[float] | None = None) -> tuple[list[float], GenResult]:
+    """Partial rollout's admission of each batch (``controller/pipelines.py``, ``_stream``):
+    batch j joins once fewer requests of the batches before it are unfinished than the instances
+    have slots (``slots``), not before batch j-1, not before iteration j-k's step began (the
+    pipeline looks k iterations ahead), and not before ``gate[j]`` (the staleness bound's
+    version). Found batch by batch: a later batch cannot change when the earlier ones freed their
+    slots. Returns the times and the simulation of all batches."""
+    k = spec.staleness
+    capacity = slots(dep, spec, batches[0])
+    sizes = [len(b.out_lens) for b in batches]
+    offsets = np.cumsum([0] + sizes)
+    arrivals = [0.0 if gate is None else float(gate[0])]
+    for j in range(1, len(batches)):
+        gen = generate_stream(batches[:j], arrivals, spec, dep, history, seed)
+        done = np.sort(gen.finish_s)
+        n = len(done)
+        freed = arrivals[j - 1] if n < capacity else float(done[n - capacity])
+        ends = [float(gen.finish_s[offsets[b]:offsets[b + 1]].max()) for b in range(j)]
+        step_start = ends[j - k - 1] if j - k - 1 >= 0 else 0.0
+        arrivals.append(max(freed, step_start, arrivals[j - 1], 0.0 if gate is None else float(gate[j])))
+    return arrivals, generate_stream(batches, arrivals, spec, dep, history, seed)
+
+
+def stream_period(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarray, seed: int = 0) -> float:
+    """Generation seconds per iteration in the steady state of partial rollout (the trainer never
+    holds admission back): the planner's ``P_gen`` for such a system."""
+    copies = spec.staleness + 3
+    _, gen = admission_times([batch] * copies, spec, dep, history, seed)
+    n = len(batch.out_lens)
+    ends = [float(gen.finish_s[i * n:(i + 1) * n].max()) for i in range(copies)]
+    return (ends[-1] - ends[1]) / (copies - 2)
+
+
+def generate(batch: Batch, spec: SystemSpec, dep: Deployment, history: np.ndarray, seed: int = 0) -> GenResult:
+    """One ``generate(prompts)`` call of the SGS under ``spec``'s dispatch and order policies."""
+    cost = dep.decode_cost(spec)
+    n_inst = dep.instances
+    mean_ctx = float(batch.prompt_lens.mean() + history.mean() / 2)
+    assign, queues = _queues(batch, spec, dep, history, seed, cost)
     rebalance = Rebalancing(cost.latency_model(mean_ctx), recent=history) if spec.rebalance else False
     return simulate_generation(batch.prompt_lens, batch.out_lens, assign, queues, [cost] * n_inst, rebalance,
                                predicted=batch.predicted)
@@ -228,6 +310,15 @@ class RunResult:
     def mean(self, key: str) -> float:
         return float(np.mean([r[key] for r in self.iterations[self.warmup:] or self.iterations]))
 
+    @property
+    def train_busy(self) -> float:
+        """The trainer's busy fraction over the timed iterations (its seconds / their wall time)."""
+        it = self.iterations
+        w = min(self.warmup, len(it) - 1)
+        t0 = it[w - 1]["train_end"] if w > 0 else 0.0
+        wall = it[-1]["train_end"] - t0
+        return float(sum(r["t_train"] for r in it[w:]) / wall) if wall > 0 else float("nan")
+
 
 def switch_s(spec: SystemSpec, dep: Deployment) -> float:
     """Per-iteration cost of switching colocated GPUs between training and generation."""
@@ -248,6 +339,8 @@ def run_system(
     length_scales: list[float] | None = None, warmup: int = 1, min_tokens_per_gpu: float = MIN_TOKENS_PER_GPU,
 ) -> RunResult:
     """Simulate ``iterations`` RL steps; the first ``warmup`` are excluded from throughput."""
+    if spec.partial:
+        return run_partial(spec, dep, workload, iterations, seed, length_scales, warmup, min_tokens_per_gpu)
     rng = np.random.default_rng(seed)
     history = workload.sample(np.random.default_rng(seed + 10_000)).out_lens  # a profiling run
     res = RunResult(spec.name, samples_per_iter=workload.num_prompts, warmup=warmup)
@@ -284,5 +377,73 @@ def run_system(
             "i": i, "gen_start": start, "gen_end": gen_end, "train_end": train_end,
             "t_gen": gen.makespan_s, "t_train": t_train, "t_push": t_push, "t_switch": t_switch,
             "preemptions": gen.preemptions, "mean_len": float(batch.out_lens.mean()),
+        })
+    return res
+
+
+def _train_chain(spec: SystemSpec, dep: Deployment, batches: list[Batch], finish: list[np.ndarray], starts: list[float],
+                 min_tokens_per_gpu: float) -> tuple[list[float], list[float], list[float]]:
+    """The stream-async trainer over batches whose samples finish at ``finish``: (train_end,
+    t_train, ready) with ``ready[v]`` the time version v is installed on the SGS."""
+    tcost = dep.train_cost(spec)
+    t_push = push_s(dep)
+    ready, ends, busy, train_free = [0.0], [], [], 0.0
+    for i, batch in enumerate(batches):
+        seq_s = tcost.seq_train_s(batch.seq_lens)
+        if isinstance(tcost, C.ProfiledTrain):
+            train_end, t_train = call_stream_train(finish[i], batch.seq_lens, seq_s, tcost.prepare_s, train_free,
+                                                   min_tokens_per_gpu * dep.train_gpus)
+        else:
+            t_train = tcost.prepare_s(batch.seq_lens) + float(seq_s.sum()) + tcost.optimizer_step_s()
+            min_s = float(np.median(seq_s)) * min_tokens_per_gpu * dep.train_gpus / float(np.median(batch.seq_lens))
+            train_end = stream_train(finish[i], seq_s, max(train_free, starts[i]), min_s) + tcost.optimizer_step_s()
+        ready.append(train_end + t_push)
+        ends.append(train_end)
+        busy.append(t_train)
+        train_free = train_end
+    return ends, busy, ready
+
+
+def run_partial(spec: SystemSpec, dep: Deployment, workload: Workload, iterations: int = 4, seed: int = 0,
+                length_scales: list[float] | None = None, warmup: int = 1,
+                min_tokens_per_gpu: float = MIN_TOKENS_PER_GPU, max_rounds: int = 200) -> RunResult:
+    """Stream-async with partial rollout and staleness bound k, as the live pipeline runs it
+    (``controller/pipelines.py``, ``_stream``): iteration i's requests are admitted during
+    iteration i-1's generation, once fewer of i-1's requests are unfinished than the instances
+    have batch slots and version i - k is installed (new versions are installed mid-generation);
+    they queue behind i-1's and join the running batches as slots free. The trainer takes
+    iteration i's samples after i-1's last one (the step boundary).
+
+    The version gate depends on training, and training on the finish times the admissions
+    produce: the gates are found by fixed-point iteration, each round only moving a gate later,
+    until every admission satisfies the bound against the simulation it produced."""
+    rng = np.random.default_rng(seed)
+    history = workload.sample(np.random.default_rng(seed + 10_000)).out_lens
+    scales = length_scales or [1.0] * iterations
+    batches = [workload.sample(rng, scales[i]) for i in range(iterations)]
+    offsets = np.cumsum([0] + [len(b.out_lens) for b in batches])
+    k = spec.staleness
+    gates = [0.0] * iterations
+    for _ in range(max_rounds):
+        arrivals, gen = admission_times(batches, spec, dep, history, seed, gate=gates)
+        raw = [gen.finish_s[offsets[i]:offsets[i + 1]] for i in range(iterations)]
+        gen_end = [float(f.max()) for f in raw]
+        # the trainer gets iteration i's samples at the earliest when i-1's generation has ended
+        finish = [raw[0]] + [np.maximum(raw[i], gen_end[i - 1]) for i in range(1, iterations)]
+        ends, busy, ready = _train_chain(spec, dep, batches, finish, arrivals, min_tokens_per_gpu)
+        new = [max(g, ready[max(0, i - k)]) for i, g in enumerate(gates)]
+        if all(abs(a - b) <= 1e-9 for a, b in zip(new, gates)):
+            break
+        gates = new
+    else:
+        raise RuntimeError(f"run_partial: the version gates did not settle in {max_rounds} rounds")
+    res = RunResult(spec.name, samples_per_iter=workload.num_prompts, warmup=warmup)
+    for i in range(iterations):
+        res.iterations.append({
+            "i": i, "gen_start": arrivals[i], "gen_end": gen_end[i], "train_end": ends[i],
+            "t_gen": gen_end[i] - max(arrivals[i], gen_end[i - 1] if i else 0.0), "t_train": busy[i],
+            "t_push": push_s(dep), "t_switch": 0.0, "preemptions": gen.preemptions,
+            "mean_len": float(batches[i].out_lens.mean()),
+            "staleness_max": float(i - max(v for v in range(i + 1) if ready[v] <= arrivals[i] + 1e-9)),
         })
     return res

@@ -52,7 +52,8 @@ import torch.distributed as dist
 from streamrl.config import Config
 from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer import losses
-from streamrl.trainer.trainer import Prepared, _pad, _per_token, micro_batches, set_group_advantages, to_prepared
+from streamrl.trainer.trainer import (Prepared, _pad, micro_batches, policy_objective, set_group_advantages,
+                                      to_prepared)
 from streamrl.types import Sample
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -180,12 +181,9 @@ class FSDPRank:
     def _micro_step(self, mb: list[Prepared], total_tokens: float) -> dict[str, float]:
         """The GRPO policy-gradient micro-step of ``Trainer._micro_step``, on this rank's device."""
         ids, attn, mask = (t.to(self._device) for t in _pad(mb, self.pad_id))
-        width = ids.shape[1]
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
-        old = _per_token(mb, "old_logprobs", width).to(self._device)
-        adv = _per_token(mb, "advantages", width).to(self._device)
-        loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)
+        loss, m = policy_objective(self.tcfg, mb, logp, mask, total_tokens)
         loss.backward()
         metrics = {f"train/{k}": v for k, v in m.items()}
         metrics["train/entropy"] = losses.masked_entropy(logits, mask, self.temperature)

@@ -173,6 +173,99 @@ def policy_loss(
     return loss, metrics
 
 
+def _expand_advantages(advantages: Tensor, logprobs: Tensor) -> Tensor:
+    if advantages.dim() == 1:
+        if advantages.shape[0] != logprobs.shape[0]:
+            raise ValueError(f"advantages {tuple(advantages.shape)} does not match the batch of "
+                             f"logprobs {tuple(logprobs.shape)}")
+        return advantages[:, None].expand_as(logprobs)
+    return advantages
+
+
+def _weight_metrics(weights: Tensor, capped: Tensor, mask: Tensor) -> dict[str, float]:
+    """Spread of per-token importance weights over the masked tokens, and the capped fraction."""
+    w = weights[mask > 0]
+    if w.numel() == 0:
+        return {"is_weight_mean": 1.0, "is_weight_std": 0.0, "is_weight_max": 1.0, "is_weight_min": 1.0,
+                "is_capped_frac": 0.0}
+    return {"is_weight_mean": w.mean().item(), "is_weight_std": w.std(unbiased=False).item(),
+            "is_weight_max": w.max().item(), "is_weight_min": w.min().item(),
+            "is_capped_frac": masked_mean(capped.float(), mask).item()}
+
+
+def decoupled_policy_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    is_cap: float = 2.0,
+    loss_agg: str = "token-mean",
+    denominator: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL, Fu et al. 2025): the trust region is around the *proximal* policy
+    (``prox_logprobs``: the trainer's policy before this update), and the behaviour policy that
+    sampled the tokens (``behav_logprobs``, possibly several versions old) enters only through an
+    importance weight. Per token, with ``r = exp(logprobs - prox)`` and
+    ``w = min(exp(prox - behav), is_cap)``::
+
+        loss_t = -w * min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps) * A)
+
+    ``w``, ``prox`` and ``behav`` are constants. With fresh samples (behav == prox) it is PPO's
+    clipped loss. Truncating ``w`` at ``is_cap`` bounds the variance a very stale token can add
+    (AReaL masks such tokens out instead). Metrics: ``clip_frac``, ``approx_kl`` (to prox) and the
+    weights' spread (``is_weight_*``, ``is_capped_frac``)."""
+    advantages = _expand_advantages(advantages, logprobs)
+    _check_shapes(logprobs=logprobs, prox=prox_logprobs, behav=behav_logprobs, advantages=advantages, mask=mask)
+    adv = advantages.detach()
+    raw = torch.exp(prox_logprobs.detach() - behav_logprobs.detach())
+    weight = torch.clamp(raw, max=is_cap)
+    log_ratio = logprobs - prox_logprobs.detach()
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = weight * torch.maximum(unclipped, clipped)
+    loss = _aggregate(per_token, mask, loss_agg, denominator)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
+                   "approx_kl": masked_mean(-log_ratio, mask).item(), "ratio_mean": masked_mean(ratio, mask).item(),
+                   **_weight_metrics(raw, raw > is_cap, mask)}
+    return loss, metrics
+
+
+def tis_policy_loss(
+    logprobs: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    is_cap: float = 2.0,
+    loss_agg: str = "token-mean",
+    denominator: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance sampling on the behaviour log-probs (IMPALA's truncated policy
+    gradient): per token, ``rho = min(exp(logprobs - behav), is_cap)`` as a constant, and::
+
+        loss_t = -rho * A * logprobs
+
+    whose gradient is ``-rho * A * grad log pi``: the on-policy policy gradient re-weighted to the
+    current policy, with the weight truncated so no token's step is more than ``is_cap`` times its
+    on-policy one. No clipping: ``clip_frac`` is the truncated fraction. Metrics: ``approx_kl``
+    (behaviour to current) and the weights' spread."""
+    advantages = _expand_advantages(advantages, logprobs)
+    _check_shapes(logprobs=logprobs, behav=behav_logprobs, advantages=advantages, mask=mask)
+    log_ratio = logprobs.detach() - behav_logprobs.detach()
+    raw = torch.exp(log_ratio)
+    rho = torch.clamp(raw, max=is_cap)
+    per_token = -rho * advantages.detach() * logprobs
+    loss = _aggregate(per_token, mask, loss_agg, denominator)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean((raw > is_cap).float(), mask).item(),
+                   "approx_kl": masked_mean(-log_ratio, mask).item(), "ratio_mean": masked_mean(raw, mask).item(),
+                   **_weight_metrics(raw, raw > is_cap, mask)}
+    return loss, metrics
+
+
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimates of KL(pi || ref) from tokens sampled from pi; ``[B, T]`` in and out.
 

@@ -58,6 +58,8 @@ class Prepared:
     advantages: list[float] | None = None
     """Per response token (PPO: GAE; GRPO: the group advantage repeated)."""
     returns: list[float] | None = None
+    prox_logprobs: list[float] | None = None
+    """Decoupled PPO: the trainer's log-probs before the first optimizer step on this sample."""
     meta: dict = field(default_factory=dict)
 
     @property
@@ -134,6 +136,29 @@ def to_prepared(s: Sample) -> Prepared:
     return Prepared(input_ids=list(c.prompt_ids) + list(c.output_ids), resp_start=len(c.prompt_ids),
                     old_logprobs=list(c.logprobs), reward=s.reward, version=c.version_start,
                     prompt_id=s.prompt.prompt_id, meta={"request_id": c.request_id})
+
+
+def policy_objective(tcfg, mb: list[Prepared], logp: torch.Tensor, mask: torch.Tensor,
+                     denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy term of one micro-batch under ``trainer.correction``: PPO clipped against the
+    behaviour log-probs (``none``), decoupled PPO (``decoupled``: the proximal policy is this
+    step's, captured on the sample's first step and kept for later epochs), or truncated IS
+    (``tis``). Shared by the single trainer and the FSDP2 ranks."""
+    width = logp.shape[1] + 1
+    behav = _per_token(mb, "old_logprobs", width).to(logp.device)
+    adv = _per_token(mb, "advantages", width).to(logp.device)
+    if tcfg.correction == "tis":
+        return losses.tis_policy_loss(logp, behav, adv, mask, is_cap=tcfg.is_cap, denominator=denominator)
+    if tcfg.correction == "decoupled":
+        if all(p.prox_logprobs is not None for p in mb):
+            prox = _per_token(mb, "prox_logprobs", width).to(logp.device)
+        else:  # the weights before this step are the ones computing logp: pi_prox = logp, as a constant
+            prox = logp.detach()
+            for i, p in enumerate(mb):
+                p.prox_logprobs = prox[i, p.resp_start - 1: p.num_tokens - 1].cpu().tolist()
+        return losses.decoupled_policy_loss(logp, prox, behav, adv, mask, clip_eps=tcfg.clip_eps, is_cap=tcfg.is_cap,
+                                            denominator=denominator)
+    return losses.policy_loss(logp, behav, adv, mask, clip_eps=tcfg.clip_eps, denominator=denominator)
 
 
 def set_group_advantages(groups: list[list[Prepared]]) -> None:
@@ -249,9 +274,7 @@ class Trainer:
         width = ids.shape[1]
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
-        old = _per_token(mb, "old_logprobs", width)
-        adv = _per_token(mb, "advantages", width)
-        loss, m = losses.policy_loss(logp, old, adv, mask, clip_eps=self.tcfg.clip_eps, denominator=total_tokens)
+        loss, m = policy_objective(self.tcfg, mb, logp, mask, total_tokens)
         metrics = {f"train/{k}": v for k, v in m.items()}
         metrics["train/entropy"] = losses.masked_entropy(logits, mask, self.temperature)
         if self.ref is not None and self.tcfg.algo == "grpo":

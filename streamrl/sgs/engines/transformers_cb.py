@@ -24,8 +24,9 @@ Dataflow (three threads; ``_lock`` guards every structure below):
 * Versions. ``version_start``: installed when this wrapper handed the request to CB;
   ``version_end``: installed when CB sampled its last token (CB's finish stamp, looked up in a
   log of install times). Weights are copied only while the loop is parked between steps, so no
-  step straddles an update; a request handed over just before an update may be stamped one
-  version lower than necessary, which overstates staleness, never understates it.
+  step straddles an update, and the copy records how many tokens each running request had:
+  ``token_versions`` gives every token the version that sampled it (partial rollout), and
+  ``version_start`` becomes the first token's.
 * Prefix sharing is disabled: CB's prefix cache would reuse KV blocks computed under old weights.
 * Attention. ``attention="varlen"`` (the default) routes CB's CPU attention through
   ``varlen_attention.py`` (each request attends to its own keys); ``"dense"`` keeps transformers'
@@ -45,6 +46,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -114,6 +116,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
 
         self._init_queues(initial_version)  # _inflight: cb_id -> (req, t_start wall, version at hand-over)
         self._cancelled_cb_ids: set[str] = set()  # cancelled in flight: drop a late result
+        self._boundaries: dict[str, list[tuple[int, int]]] = {}  # cb_id -> (tokens before an update, its version)
         # Versions: (perf_counter at install, version), appended inside the pause.
         self._version_log: list[tuple[float, int]] = [(float("-inf"), initial_version)]
         self._wall_minus_perf = time.time() - time.perf_counter()
@@ -131,6 +134,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
                               f"{self._manager.background_thread_status.can_accept_new_requests()}")
 
     def _abort_locked(self, cb_id: str) -> None:
+        self._boundaries.pop(cb_id, None)
         self._cancelled_cb_ids.add(cb_id)
         self._manager.cancel_request(cb_id)
 
@@ -189,10 +193,11 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
                     done = (tokens and tokens[-1] in self._eos_ids) or len(tokens) >= req.max_new_tokens
                     if done or len(logprobs) != len(tokens):
                         return None
+                versions = self._token_versions(cb_id, v_start, len(tokens))
                 self._stop_inflight_locked(cb_id, "gen/requests_preempted")
         if not tokens:
             return Partial(req)
-        return Partial(req, tokens, logprobs, v_start, t_start)
+        return Partial(req, tokens, logprobs, versions[0] if versions else v_start, t_start, versions)
 
     def _pending_states(self) -> list:
         """CB's request states that are queued for it but not running (input queue, waiting)."""
@@ -227,7 +232,8 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
                     self._done_cv.notify_all()
                     return
                 try:
-                    self._done.append(self._to_completion(req, out, t_start, v_start))
+                    self._done.append(self._to_completion(req, out, t_start, v_start,
+                                                          self._token_versions(out.request_id, v_start, None)))
                 except EngineError as exc:  # a malformed result: surface it, never drop it silently
                     self._error = exc
                     self._done_cv.notify_all()
@@ -235,13 +241,26 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
                 self._admit_locked()
                 self._done_cv.notify_all()
 
-    def _to_completion(self, req: GenRequest, out: Any, t_start: float, v_start: int) -> Completion:
+    def _to_completion(self, req: GenRequest, out: Any, t_start: float, v_start: int,
+                       boundaries: list[tuple[int, int]] | tuple = ()) -> Completion:
         tokens = tuple(int(t) for t in out.generated_tokens)
         logprobs = tuple(float(x) for x in out.logprobs)
         t_end_perf = out.lifespan[1]
         finish = "stop" if tokens and tokens[-1] in self._eos_ids else "length"
-        return self._completion(req, tokens, logprobs, finish, v_start, self._version_at(t_end_perf),
-                                t_start, t_end_perf + self._wall_minus_perf)
+        c = self._completion(req, tokens, logprobs, finish, v_start, self._version_at(t_end_perf),
+                             t_start, t_end_perf + self._wall_minus_perf)
+        if boundaries:
+            versions = _spread(v_start, boundaries, len(tokens))
+            c = replace(c, token_versions=versions, version_start=versions[0] if versions else v_start)
+        return c
+
+    def _token_versions(self, cb_id: str, v_start: int, n: int | None):
+        """Forget ``cb_id``'s update boundaries; with ``n``: its first ``n`` tokens' versions, else
+        the boundaries themselves (the caller spreads them over the final token count)."""
+        bounds = self._boundaries.pop(cb_id, [])
+        if n is None:
+            return bounds
+        return _spread(v_start, bounds, n) if bounds else ()
 
     def _version_at(self, t_perf: float) -> int:
         i = bisect.bisect_right(self._version_log, (t_perf, float("inf"))) - 1
@@ -261,6 +280,11 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             with self._lock, torch.no_grad():
                 for name, dst in targets.items():
                     dst.copy_(state_dict[name])
+                active = self._active_states()
+                for cb_id in self._inflight:  # tokens sampled so far keep their version, the rest get this one
+                    state = active.get(cb_id)
+                    self._boundaries.setdefault(cb_id, []).append(
+                        (len(state.generated_tokens) if state is not None else 0, version))
                 self._version = version
                 self._version_log.append((time.perf_counter(), version))
         t2 = time.perf_counter()
@@ -282,6 +306,15 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         self._drain_thread.join()
         if self._manager.is_running():
             self._manager.stop(block=True, timeout=30, hard_stop=True)  # hard: fail (drop) running requests now
+
+
+def _spread(v_start: int, boundaries: list[tuple[int, int]], n: int) -> tuple[int, ...]:
+    """Per-token versions of ``n`` tokens started under ``v_start``: each ``(k, v)`` boundary gives
+    tokens ``k`` and later version ``v``."""
+    versions = [v_start] * n
+    for k, v in boundaries:
+        versions[k:] = [v] * (n - k) if k < n else []
+    return tuple(versions)
 
 
 def _match_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
