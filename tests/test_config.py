@@ -366,3 +366,17 @@ def test_did_you_mean_needs_a_close_key():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["run.out_dri=x"])
     assert str(err.value).endswith("did you mean 'run.out_dir'?")
+
+
+def test_staleness_beyond_one_step_is_stream_async_only():
+    cfg = load_config(None, ["mode=stream-async", "trainer.max_staleness=4", "generation.partial_rollout=true"])
+    assert cfg.staleness_bound() == 4 and load_config(None, ["mode=stream-async"]).staleness_bound() == 1
+    assert load_config(None, ["mode=stream-sync"]).staleness_bound() == 0
+    with pytest.raises(ConfigError, match=r"trainer.max_staleness=2.*stream-sync.*synchronous"):
+        load_config(None, ["mode=stream-sync", "trainer.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"partial_rollout=true needs mode=stream-async"):
+        load_config(None, ["mode=disagg-batch", "generation.partial_rollout=true"])
+    with pytest.raises(ConfigError, match=r"max_staleness=0 in mode='stream-async'"):
+        load_config(None, ["mode=stream-async", "trainer.max_staleness=0"])
+    with pytest.raises(ConfigError, match=r"trainer.correction"):
+        load_config(None, ["trainer.correction=vtrace"])

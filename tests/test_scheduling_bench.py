@@ -17,6 +17,21 @@ def test_mode_variant_switches_on_skewness_aware_dispatch_and_lpt():
     assert cfg.mode == "colocated"  # the caller's config is not modified
 
 
+def test_async_rows_beyond_one_step_set_the_bound_and_partial_rollout():
+    cfg = load_config(None, [])
+    k4p = mode_config(cfg, "stream-async-k4-partial+skew")
+    assert (k4p.mode, k4p.staleness_bound(), k4p.generation.partial_rollout) == ("stream-async", 4, True)
+    assert k4p.generation.dispatch == "skewness-aware"
+    k2 = mode_config(cfg, "stream-async-k2")
+    assert (k2.staleness_bound(), k2.generation.partial_rollout) == (2, False)
+    p1 = mode_config(cfg, "stream-async-partial")
+    assert (p1.staleness_bound(), p1.generation.partial_rollout) == (1, True)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        mode_config(cfg, "stream-async-k0")
+    with pytest.raises(ValueError, match="stream-async-k<k>"):
+        mode_config(cfg, "stream-async-kx")
+
+
 def test_mode_variant_rejects_unknown_names_naming_them():
     cfg = load_config(None, [])
     with pytest.raises(ValueError, match="'fast'"):

@@ -127,3 +127,29 @@ def test_batched_prepare_of_many_groups_equals_one_group_at_a_time(tiny_policy_d
             for attr in ("ref_logprobs", "old_values", "advantages", "returns"):
                 assert torch.allclose(torch.tensor(getattr(a, attr)), torch.tensor(getattr(b, attr)), atol=1e-5), attr
     assert any(p.advantages and any(x != 0 for x in p.advantages) for g in batched for p in g)
+
+
+@pytest.mark.slow
+def test_decoupled_correction_keeps_the_proximal_policy_of_the_first_step(tiny_policy_dir):
+    """Fresh samples: the first step is plain PPO (ratio 1, weights 1); the proximal log-probs are
+    captured then and a second epoch clips against them, not against the moved policy."""
+    tr = _trainer(tiny_policy_dir, "trainer.correction=decoupled")
+    items = _prepared(tr)
+    first = tr.train_step(items)
+    assert first["train/is_weight_max"] == pytest.approx(1.0, abs=1e-4) and first["train/approx_kl"] == pytest.approx(0.0, abs=1e-5)
+    prox = [list(p.prox_logprobs) for p in items]
+    assert all(len(v) == p.num_response_tokens for v, p in zip(prox, items))
+    second = tr.train_step(items)
+    assert [p.prox_logprobs for p in items] == prox  # kept, not re-captured
+    assert abs(second["train/approx_kl"]) > 1e-4  # the policy moved away from the proximal one
+
+
+@pytest.mark.slow
+def test_stale_samples_get_importance_weights_under_tis(tiny_policy_dir):
+    tr = _trainer(tiny_policy_dir, "trainer.correction=tis", "trainer.is_cap=1.5")
+    items = _prepared(tr)
+    for p in items:  # as if sampled by an older policy that put a little less mass on each token
+        p.old_logprobs = [lp - 0.2 for lp in p.old_logprobs]
+    m = tr.train_step(items)
+    assert m["train/is_weight_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.2))), rel=1e-3)
+    assert m["train/is_capped_frac"] == 0.0 and m["train/clip_frac"] == 0.0

@@ -148,10 +148,13 @@ class GenerationInstance:
 
     def inject_fault(self, kind: str) -> None:
         """Fault injection (tests, ``bench faults``): ``hang`` stops the engine stepping while
-        the actor keeps answering."""
-        if kind != "hang":
-            raise ValueError(f"inject_fault: unknown kind {kind!r}; known: 'hang'")
-        self.engine.stall()
+        the actor keeps answering; ``slow:S`` stops it for S seconds (a straggler)."""
+        if kind == "hang":
+            self.engine.stall()
+        elif kind.startswith("slow:"):
+            self.engine.slow_down(float(kind.split(":", 1)[1]))
+        else:
+            raise ValueError(f"inject_fault: unknown kind {kind!r}; known: 'hang', 'slow:SECONDS'")
 
     def poll_with_progress(self, timeout: float = 0.5) -> tuple[list, Progress]:
         """``poll`` and then ``progress`` in one call: a rebalancing SGS reads where requests

@@ -362,6 +362,10 @@ class GenerationEngine(ABC):
         engine behind a live process). Tests and ``bench faults`` use it; nothing else should."""
         raise NotImplementedError(f"{type(self).__name__} cannot be stalled")
 
+    def slow_down(self, seconds: float) -> None:
+        """Fault injection: stop stepping for ``seconds``, then go on (a straggler); returns at once."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be slowed down")
+
     def preempt(self, request_id: str, running: bool = True) -> Partial | None:
         """Stop ``request_id`` and return what it generated so far (empty outputs if it had not
         started), so it can resume elsewhere; it is then never returned by this engine. None if

@@ -298,6 +298,14 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         self._stall = self._manager.pause()
         self._stall.__enter__()
 
+    def slow_down(self, seconds: float) -> None:
+        """Park the CB loop between two steps for ``seconds`` (fault injection: a straggler)."""
+        def park():
+            with self._manager.pause():
+                time.sleep(seconds)
+
+        threading.Thread(target=park, name=f"cb-slow-{self.instance}", daemon=True).start()
+
     # ------------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
