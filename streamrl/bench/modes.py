@@ -95,6 +95,8 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str
             prompts = stream.next_batch(cfg.generation.prompts_per_iter)
             ctx.scorer.register(prompts)
             upcoming = stream.upcoming(cfg.generation.prompts_per_iter, min(pipe.lookahead, warmup + iterations - it - 1))
+            if it == warmup - 1 and cfg.generation.partial_rollout:
+                upcoming = None  # nothing admitted ahead across the window's start: no timed work done untimed
             samples, metrics = pipe.step(it, prompts, upcoming)
             if it >= warmup:
                 samples_n += len(samples)

@@ -16,6 +16,20 @@ import numpy as np
 import yaml
 
 
+def mode_label(cfg: dict) -> str:
+    """The mode as ``bench modes`` names its rows: ``stream-async-k4-partial`` for a run beyond
+    one-step asynchrony, with ``+decoupled`` / ``+tis`` for an off-policy correction."""
+    mode = cfg.get("mode", "?")
+    k = (cfg.get("trainer") or {}).get("max_staleness")
+    partial = (cfg.get("generation") or {}).get("partial_rollout")
+    correction = (cfg.get("trainer") or {}).get("correction", "none")
+    if k not in (None, 1) and mode == "stream-async":
+        mode += f"-k{k}"
+    if partial:
+        mode += "-partial"
+    return mode + (f"+{correction}" if correction not in (None, "none") else "")
+
+
 def load_run(run_dir: str | Path) -> dict:
     """``{"run", "mode", "seed", "rewards": [...], "eval_before", "eval_after"}`` of a finished run."""
     run_dir = Path(run_dir)
@@ -41,7 +55,7 @@ def load_run(run_dir: str | Path) -> dict:
         raise ValueError(f"{metrics_path} holds no per-iteration reward (reward/mean)")
     steps = sorted(rewards)
     evals.sort()
-    return {"run": run_dir.name, "mode": cfg.get("mode", "?"), "seed": cfg.get("run", {}).get("seed"),
+    return {"run": run_dir.name, "mode": mode_label(cfg), "seed": cfg.get("run", {}).get("seed"),
             "rewards": [rewards[s] for s in steps],
             "eval_before": evals[0][1] if evals and evals[0][0] == 0 else float("nan"),
             "eval_after": evals[-1][1] if evals and evals[-1][0] > 0 else float("nan")}
