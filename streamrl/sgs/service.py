@@ -240,9 +240,9 @@ class StreamGenerationService:
         left = [rid for rid, (inst, _) in self.assigned.items() if inst == name]
         if left:
             self.instances[name] = actor  # keep polling it until they are in
-            while any(inst == name for inst, _ in self.assigned.values()):
+            while name in self.instances and any(inst == name for inst, _ in self.assigned.values()):
                 self._early.extend(self._poll(timeout=1.0))  # not poll(): that would hand _early back
-            self.instances.pop(name)
+            self.instances.pop(name, None)  # gone already if it failed meanwhile (_fail re-dispatched the rest)
         self._redispatch(moved)
         try:
             ray.get(actor.shutdown.remote(), timeout=10)
