@@ -287,10 +287,20 @@ def test_the_elastic_controller_adds_and_retires_instances_between_iterations(ra
 
 
 def _kill_titled(title: bytes) -> int:
-    """SIGKILL the one process under this one (the test's Ray) whose title starts with ``title``."""
+    """SIGKILL the one process under this one (the test's Ray) whose title starts with ``title``.
+
+    An actor killed by an earlier test can keep its process (and title) a while on a loaded
+    machine, so this waits up to a minute for such a process to go before it counts."""
+    import time
+
     from streamrl.bench.faults import _cmdline, descendants
 
-    pids = [p for p in descendants(os.getpid()) if _cmdline(p).startswith(title)]
+    deadline = time.monotonic() + 60.0
+    while True:
+        pids = [p for p in descendants(os.getpid()) if _cmdline(p).startswith(title)]
+        if len(pids) <= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
     return pids[0]
