@@ -112,6 +112,7 @@ class StreamGenerationService:
         self.heartbeat_s = g.heartbeat_timeout_s
         self.faults: list[dict] = []  # one record per failed instance: name, reason, wall time, requeued
         self._early: list[Completion] = []  # polled while retiring an instance: handed out by the next poll
+        self._retiring: set[str] = set()  # instances finishing their last requests: given no new work
         self._live: dict[str, tuple[int, float]] = {}  # instance -> (liveness counter, when it last changed)
         self._live_checked = time.perf_counter()
         self._names = (f"gen-{i}" for i in itertools.count())
@@ -235,20 +236,22 @@ class StreamGenerationService:
         moved = [self._continuation(p) for p in parts]
         for req in moved:
             self.assigned.pop(req.request_id, None)
-        actor = self._detach(name)
-        # what it did not stop (finishing now) still comes back through its last poll: wait for those
-        left = [rid for rid, (inst, _) in self.assigned.items() if inst == name]
-        if left:
-            self.instances[name] = actor  # keep polling it until they are in
+        self._retiring.add(name)  # no dispatch or rebalancing sends it anything from here on
+        try:
+            self._redispatch(moved)
+            # What it did not stop (finishing now) comes back through its polls, those in flight
+            # included (dropping them would lose the completions they carry): wait for those.
             while name in self.instances and any(inst == name for inst, _ in self.assigned.values()):
                 self._early.extend(self._poll(timeout=1.0))  # not poll(): that would hand _early back
-            self.instances.pop(name, None)  # gone already if it failed meanwhile (_fail re-dispatched the rest)
-        self._redispatch(moved)
-        try:
-            ray.get(actor.shutdown.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - it is going away either way
-            pass
-        ray.kill(actor)
+        finally:
+            self._retiring.discard(name)
+        if name in self.instances:  # else it failed meanwhile: _fail re-dispatched the rest
+            actor = self._detach(name)
+            try:
+                ray.get(actor.shutdown.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - it is going away either way
+                pass
+            ray.kill(actor)
         self.counters["sgs/instances_removed"] += 1
         return len(moved)
 
@@ -353,7 +356,9 @@ class StreamGenerationService:
         orphans = self._take_unfinished(name)
         record = self._new_fault(name, reason, len(orphans))
         g = self.cfg.generation
-        if g.restart and self.counters["sgs/restarts"] < g.max_restarts:
+        if name in self._retiring:  # it was going away: nothing to replace
+            pass
+        elif g.restart and self.counters["sgs/restarts"] < g.max_restarts:
             self.counters["sgs/restarts"] += 1
             try:
                 log.warning("starting a replacement for %s (%d of generation.max_restarts=%d)", name,
@@ -428,7 +433,7 @@ class StreamGenerationService:
             self._maybe_rebalance()
 
     def _dispatch_and_send(self, requests: list[GenRequest], lengths: list[float], priority_offset: float = 0.0) -> None:
-        names = sorted(self.instances)
+        names = sorted(n for n in self.instances if n not in self._retiring)
         choice = self.dispatch.assign(lengths, len(names))
         priorities = self.order.priorities(lengths)
         per_instance: dict[str, list[GenRequest]] = {}
@@ -581,12 +586,12 @@ class StreamGenerationService:
             return 0
         self._last_check = now
         cap = self.cfg.generation.max_requests_per_batch
-        counts = self._unfinished_counts()
-        if not has_free_slots(counts, cap):
+        counts = {n: c for n, c in self._unfinished_counts().items() if n not in self._retiring}
+        if len(counts) < 2 or not has_free_slots(counts, cap):
             return 0  # every instance has a full batch of work, or there is nothing to split: no Ray call
-        missing = [n for n in self.instances if n not in self._progress]  # not polled yet since it got work
+        missing = [n for n in counts if n not in self._progress]  # not polled yet since it got work
         self._progress.update(self._gather({n: self.instances[n].progress.remote() for n in missing}, "progress"))
-        names = list(self.instances)  # without any instance failed over just now
+        names = [n for n in counts if n in self.instances]  # without any instance failed over just now
         if len(names) < 2:
             return 0
         moves = plan_round(self._unfinished({n: self._progress[n] for n in names}), self.latency, cap,
@@ -604,9 +609,11 @@ class StreamGenerationService:
         """Per instance, its unfinished requests as ``plan_round`` reads them: progress from the
         instances' states; movable if not started (held here, or queued in an engine that preempts),
         or running on an engine that preempts, with ``rebalance_running``, and not moved before."""
-        out: dict[str, list[Unfinished]] = {name: [] for name in self.instances}
+        out: dict[str, list[Unfinished]] = {name: [] for name in states}
         sets = {n: (set(st.held), set(st.waiting), st.running, st.preempt) for n, st in states.items()}
         for rid, (name, req) in self.assigned.items():
+            if name not in sets:  # an instance being retired: its last requests stay where they are
+                continue
             held, waiting, running, can_preempt = sets[name]
             prefix = self._prefix.get(rid)
             generated = (len(prefix.output_ids) if prefix else 0) + running.get(rid, 0)
