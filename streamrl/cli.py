@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "streamrl.commands.profile",
     "streamrl.commands.compare",
     "streamrl.commands.config",
+    "streamrl.commands.cluster",
 )
 
 

@@ -82,6 +82,20 @@ class WeightHandle:
     """Name of the transport that made it; ``fetch`` rejects another transport's handle."""
     payload: Any
     """Transport-specific: a Ray ObjectRef of the buffer, or the gloo broadcast sequence number."""
+    delta: Any = None
+    """Ray ObjectRef of a ``weights.delta.Delta`` from version ``base`` (``weights.delta``); None
+    when the publisher sends full copies only or has no previous version."""
+    base: int | None = None
+    """The version ``delta`` applies to."""
+    delta_nbytes: int = 0
+    """Payload bytes of ``delta`` (what crosses the link instead of ``nbytes``)."""
+    checksum: int | None = None
+    """CRC32 of the full buffer (set when deltas are on): a rebuilt buffer must match it."""
+    origin: str = "trainer"
+    """Who put the buffer: the trainer, or the relay instance that re-published its copy."""
+    origin_site: str = ""
+    """The origin's site (``""`` unlabelled) and node label: the receiver names the link with them."""
+    origin_node: str = ""
 
 
 class WeightTransport(ABC):

@@ -1,0 +1,199 @@
+"""The network-aware weight engine: versioned buffers, bf16 on the wire, deltas, relays.
+
+    trainer    WeightPublisher.publish(state_dict, v)
+                 flatten in the wire dtype -> ray.put(full)   [+ ray.put(delta v-1 -> v)]
+                 -> WeightHandle(v, full ref, delta ref, base v-1, checksum, origin trainer@A0)
+    driver     plan_tree (weights.tree) -> each receiver's parent; sends each receiver the
+               handle of its parent (the trainer's, or a relay's result: Ray resolves it first)
+    instance   WeightReceiver.receive(handle)
+                 holds base v-1 and a delta is offered -> fetch the delta, rebuild v, check CRC
+                 otherwise (new, behind, or no delta)  -> fetch the full copy
+               WeightReceiver.relay(handle) (a relay, i.e. it has children)
+                 ray.put of its own copy (and of the delta): children fetch from this node
+
+Why re-publish instead of letting children fetch the trainer's object: Ray's object manager may
+pull from any node holding a copy, so which link a naive fetch crosses is up to Ray; a relay's
+own object lives only on the relay's node, so a child in the same site pulls it inside the site
+and the slow link carries one copy per site (measured by ``streamrl bench weights`` from the
+link's interface counters).
+
+bf16 on the wire (``wire_dtype="bfloat16"``) halves the bytes; the receiver's parameters keep
+their own dtype (``copy_`` upcasts). Every fetch is returned as a ``FetchRecord`` (bytes,
+seconds, kind, source, destination, link) for the timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from streamrl.weights.delta import Delta, apply_delta, checksum, make_delta
+from streamrl.weights.flat import FlatWeights, flatten
+from streamrl.weights.transfer import WeightHandle
+from streamrl.weights.tree import Location
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def here() -> Location:
+    """This process's Ray node label (its ``node_<label>`` resource, else the node id's first
+    characters) and site (its ``site_<S>`` resource, else ``""``)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    res: dict = {}
+    for n in ray.nodes():
+        if n["NodeID"] == node_id:
+            res = n.get("Resources", {})
+            break
+    node = next((k[len("node_"):] for k in sorted(res) if k.startswith("node_")), node_id[:8])
+    site = next((k[len("site_"):] for k in sorted(res) if k.startswith("site_")), "")
+    return Location(node, site)
+
+
+def to_wire(state_dict: Mapping[str, torch.Tensor], wire_dtype: str) -> dict[str, torch.Tensor]:
+    """Floating-point tensors cast to the wire dtype (others as they are)."""
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"weights.wire_dtype {wire_dtype!r}: choose one of {', '.join(WIRE_DTYPES)}")
+    dtype = WIRE_DTYPES[wire_dtype]
+    return {k: (v.detach().to(dtype) if v.is_floating_point() and v.dtype != dtype else v.detach())
+            for k, v in state_dict.items()}
+
+
+@dataclass(frozen=True)
+class FetchRecord:
+    """One receiver's fetch of one version: what crossed which link, how long it took."""
+
+    version: int
+    kind: str
+    """``full`` or ``delta``."""
+    bytes: int
+    """Bytes fetched (the full buffer, or the delta's payload)."""
+    seconds: float
+    src: str
+    dst: str
+    link: str
+    """``"A->B"`` across sites, ``"A"`` inside site A, ``"local"`` when neither is labelled."""
+    start: float
+    """Wall clock (``time.time()``)."""
+
+    def as_meta(self) -> dict:
+        return {"bytes": self.bytes, "kind": self.kind, "src": self.src, "link": self.link}
+
+
+def link_name(src_site: str, dst_site: str) -> str:
+    if src_site == dst_site:
+        return src_site or "local"
+    return f"{src_site or '?'}->{dst_site or '?'}"
+
+
+class WeightPublisher:
+    """The trainer's side. ``delta=True`` keeps the last published buffer to diff against."""
+
+    def __init__(self, wire_dtype: str = "float32", delta: bool = False, bucket_mb: float = 16.0,
+                 name: str = "trainer", location: Location | None = None) -> None:
+        to_wire({}, wire_dtype)  # validates the name
+        self.wire_dtype, self.delta, self.name = wire_dtype, delta, name
+        self.bucket_bytes = max(2, int(bucket_mb * 2**20))
+        self._location = location
+        self._prev: FlatWeights | None = None
+        self.last_delta_fraction: float | None = None
+
+    @property
+    def location(self) -> Location:
+        if self._location is None:
+            self._location = here()
+        return self._location
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightHandle:
+        import ray
+
+        fw = flatten(to_wire(state_dict, self.wire_dtype), version, {"src": self.name})
+        return self.publish_flat(fw, ray.put(fw.buffer))
+
+    def publish_flat(self, fw: FlatWeights, full_ref) -> WeightHandle:
+        """The handle of ``fw`` already put as ``full_ref``, with a delta from the last version."""
+        import ray
+
+        delta_ref, base, delta_nbytes, crc = None, None, 0, None
+        if self.delta:
+            prev = self._prev
+            if prev is not None and prev.spec == fw.spec and prev.version < fw.version:
+                d = make_delta(prev.buffer, fw.buffer, prev.version, fw.version, self.bucket_bytes)
+                delta_ref, base, delta_nbytes, crc = ray.put(d), prev.version, d.nbytes, d.checksum
+                self.last_delta_fraction = d.changed_fraction
+            else:
+                crc = checksum(fw.buffer)
+            self._prev = fw
+        loc = self.location
+        return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", full_ref, delta=delta_ref, base=base,
+                            delta_nbytes=delta_nbytes, checksum=crc, origin=self.name, origin_site=loc.site,
+                            origin_node=loc.node)
+
+
+class WeightReceiver:
+    """An instance's side: fetch a version (a delta when it holds the base), keep the buffer
+    for the next delta when ``keep``, and re-publish its copy when it relays."""
+
+    def __init__(self, name: str, keep: bool = False, location: Location | None = None) -> None:
+        self.name, self.keep = name, keep
+        self._location = location
+        self.held: FlatWeights | None = None
+        self._last_delta: Delta | None = None
+
+    @property
+    def location(self) -> Location:
+        if self._location is None:
+            self._location = here()
+        return self._location
+
+    def receive(self, handle: WeightHandle) -> tuple[FlatWeights, FetchRecord]:
+        import ray
+
+        if handle.transport != "ray":
+            raise ValueError(f"WeightReceiver fetches from the Ray object store, got a {handle.transport!r} handle")
+        wall, t0 = time.time(), time.perf_counter()
+        held = self.held
+        self._last_delta = None
+        if handle.delta is not None and held is not None and held.version == handle.base:
+            delta: Delta = ray.get(handle.delta)
+            buf = apply_delta(held.buffer, delta, held.version)
+            kind, nbytes = "delta", handle.delta_nbytes
+            self._last_delta = delta
+        else:
+            buf = ray.get(handle.payload)
+            if buf.nbytes != handle.nbytes:
+                raise ValueError(f"fetched {buf.nbytes} bytes for version {handle.version}, handle says {handle.nbytes}")
+            if handle.checksum is not None and checksum(buf) != handle.checksum:
+                raise ValueError(f"version {handle.version} from {handle.origin}: checksum mismatch on a full copy")
+            kind, nbytes = "full", handle.nbytes
+        fw = FlatWeights(buf, list(handle.spec), handle.version)
+        if self.keep:
+            self.held = fw
+        rec = FetchRecord(handle.version, kind, int(nbytes), time.perf_counter() - t0, handle.origin, self.name,
+                          link_name(handle.origin_site, self.location.site), wall)
+        return fw, rec
+
+    def relay(self, handle: WeightHandle, fw: FlatWeights) -> WeightHandle:
+        """A handle of this process's own copy of ``fw`` (received through ``handle``), so that
+        children fetch from this node; the delta it received is re-offered with it."""
+        import ray
+
+        loc = self.location
+        delta_ref = ray.put(self._last_delta) if self._last_delta is not None else None
+        return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", ray.put(fw.buffer),
+                            delta=delta_ref, base=handle.base if delta_ref is not None else None,
+                            delta_nbytes=handle.delta_nbytes if delta_ref is not None else 0,
+                            checksum=handle.checksum, origin=self.name, origin_site=loc.site, origin_node=loc.node)
+
+
+def delta_fraction(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], wire_dtype: str = "bfloat16",
+                   bucket_mb: float = 16.0) -> float:
+    """Delta payload / full copy between two state dicts, in the wire dtype (no Ray)."""
+    a = flatten(to_wire(old, wire_dtype), 0)
+    b = flatten(to_wire(new, wire_dtype), 1)
+    return make_delta(a.buffer, b.buffer, 0, 1, max(2, int(bucket_mb * 2**20))).changed_fraction
+
