@@ -11,7 +11,7 @@ site is the Ray head; the driver of a run must run inside the head's namespace
 Every node is labelled with Ray custom resources: ``site_<S>`` (one per CPU, so a request for
 ``{"site_B": 1}`` lands in site B), ``node_<S><i>`` and, when a site names a device type,
 ``<type>`` as ``placement`` uses. The bytes that crossed a link are read from its veth's
-interface counters (``/sys/class/net/<dev>/statistics``), which count what really went through
+interface counters (``/proc/1/net/dev``, the host namespace's), which count what really went through
 the shaped device.
 
 ``up`` writes the state to ``<root>/cluster.json`` and ``down`` reads it; ``down`` also removes
@@ -250,7 +250,19 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _tx_bytes(dev: str) -> int:
-    return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+    """Bytes sent by ``dev``, a device of the host's (root) network namespace. Read from
+    ``/proc/1/net/dev`` (init's namespace), so that a process inside one of the cluster's
+    namespaces (a driver run with ``cluster run``) reads the same counters."""
+    for line in Path("/proc/1/net/dev").read_text().splitlines()[2:]:
+        name, _, rest = line.partition(":")
+        if name.strip() == dev:
+            return int(rest.split()[8])  # receive: 8 fields, then transmit bytes
+    raise ClusterError(f"no network device {dev!r} on this host (is the cluster up?)")
+
+
+def node_rx_bytes(node: NodeInfo) -> int:
+    """Bytes delivered to ``node`` so far: what its host-side veth end has sent into it."""
+    return _tx_bytes(node.host_dev)
 
 
 def _shape(dev: str, rate: str, netns: str | None = None) -> None:

@@ -378,6 +378,28 @@ class PlacementConfig(_Section):
     gen_gpus_per_instance: int = Field(1, ge=1, description="tensor-parallel size of each vLLM instance")
     gen_gpu_type: str | None = Field(None, description="Ray resource label the generation GPUs carry; None = any")
     cpus_per_gpu: int = Field(4, ge=1, description="CPUs reserved beside each GPU worker")
+    trainer_node: str | None = Field(None, description="run the trainer on this node of a labelled cluster "
+                                     "(its node_<NAME> Ray resource, e.g. A0; `streamrl cluster up` labels nodes)")
+    trainer_site: str | None = Field(None, description="run the trainer in this site (its site_<NAME> resource)")
+    gen_nodes: list[str] = Field(default_factory=list, description="generation instance i runs on node "
+                                 "gen_nodes[i % len] (node_<NAME> resources); empty = anywhere (or gen_sites)")
+    gen_sites: list[str] = Field(default_factory=list, description="generation instance i runs in site "
+                                 "gen_sites[i % len] (site_<NAME> resources) when gen_nodes is empty")
+
+
+class WeightsConfig(_Section):
+    """How new weights reach the generation instances (``streamrl.weights.engine``)."""
+
+    method: Literal["naive", "tree"] = Field("tree", description="naive (every instance fetches from the "
+                                             "trainer) | tree (one copy per node and per remote site: a relay "
+                                             "instance re-publishes to its site, weights.fanout at a time)")
+    fanout: int = Field(2, ge=1, description="tree: nodes each relay feeds inside its site")
+    wire_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of floating-point weights "
+                                                       "on the wire (bfloat16 halves the bytes; instances keep "
+                                                       "their own dtype)")
+    delta: bool = Field(False, description="send only the 16-bit words that changed since the version an "
+                        "instance holds (lossless, CRC-checked); a new or lagging instance gets a full copy")
+    bucket_mb: float = Field(16.0, gt=0, description="delta: bytes per bucket, each encoded on its own")
 
 
 LOGGING_BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -409,6 +431,7 @@ class Config(_Section):
     ranker: RankerConfig = RankerConfig()
     logging: LoggingConfig = LoggingConfig()
     placement: PlacementConfig = PlacementConfig()
+    weights: WeightsConfig = WeightsConfig()
 
     def staleness_bound(self) -> int:
         """The staleness bound k the run holds: ``trainer.max_staleness``, else the mode's."""

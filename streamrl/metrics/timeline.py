@@ -18,8 +18,11 @@ is the run's origin in pictures and summaries.
 Standard ``what`` kinds (open set; these have fixed colours in the Gantt picture):
 ``generate`` (an instance decoding), ``train`` (an optimizer step or a mini-batch),
 ``prepare`` (per-sample work: old/ref log-probs, values, rewards), ``weight_push`` (flatten +
-publish on the trainer), ``weight_load`` (fetch + load on an instance), ``eval``, ``idle``
-(an explicit wait; busy fractions ignore it). Gaps with no event are idle too.
+publish on the trainer), ``weight_fetch`` (an instance receiving a version while it keeps
+generating; ``meta``: bytes, full or delta, source, link), ``weight_load`` (the copy into the
+instance's parameters: the engine's pause), ``eval``, ``idle`` (an explicit wait). Busy
+fractions ignore ``idle`` and ``weight_fetch`` (a transfer, not work of the instance's
+cores). Gaps with no event are idle too.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from typing import Any, Iterable, Iterator
 
 from streamrl.types import Event  # noqa: F401  (the record; re-exported for callers of the timeline)
 
-STANDARD_KINDS = ("generate", "train", "prepare", "weight_push", "weight_load", "checkpoint", "eval", "idle")
-NOT_BUSY = frozenset({"idle"})
+STANDARD_KINDS = ("generate", "train", "prepare", "weight_push", "weight_fetch", "weight_load", "checkpoint", "eval",
+                  "idle")
+NOT_BUSY = frozenset({"idle", "weight_fetch"})
 
 
 class Timeline:
@@ -198,12 +202,13 @@ COLOURS = {
     "train": "#DD8452",
     "prepare": "#E6C229",
     "weight_push": "#8E44AD",
+    "weight_fetch": "#D7BDE2",
     "weight_load": "#C39BD3",
     "eval": "#55A868",
     "idle": "#E0E0E0",
 }
 _SPARE = ["#C44E52", "#64B5CD", "#8C8C8C", "#937860", "#DA8BC3", "#CCB974"]
-THIN = frozenset({"prepare", "weight_push", "weight_load"})
+THIN = frozenset({"prepare", "weight_push", "weight_fetch", "weight_load"})
 """Drawn in the lower part of the row, over the full-height bars, so overlap stays visible."""
 
 

@@ -3,9 +3,11 @@
     service --submit(requests)--> instance.engine admission queue
     service --poll(timeout)-----> blocks in the actor until >= 1 completion (or timeout), returns
                                   a batch of finished Completions: this is the stream
-    service --update(handle)----> fetch the flat weight buffer (zero-copy from the object store),
-                                  pause the engine, copy in place, resume: in-flight requests
-                                  keep their KV cache and continue with the new weights
+    service --update(handle)----> fetch the flat weight buffer (zero-copy from the object store;
+                                  a delta when this instance holds the base version), pause the
+                                  engine, copy in place, resume: in-flight requests keep their KV
+                                  cache and continue with the new weights; a relay re-publishes
+                                  its copy for the instances it feeds (``weights.engine``)
 
 The actor is threaded (``max_concurrency``), so ``submit`` and ``update`` run while a ``poll``
 is blocked waiting for a completion. The engine itself is thread-safe.
@@ -56,6 +58,9 @@ class GenerationInstance:
             model = model.eval()
         kwargs = {**engine_kwargs(cfg, tokenizer, threads, name, seed), **(engine_overrides or {})}
         self.engine = make_engine(cfg.generation.engine, model, **kwargs)
+        from streamrl.weights.engine import WeightReceiver
+
+        self.receiver = WeightReceiver(name, keep=cfg.weights.delta)
         self.events: list[Event] = []
         self.hold_back = hold_back
         batch = int(self.engine.max_inflight or cfg.generation.max_requests_per_batch)
@@ -163,18 +168,32 @@ class GenerationInstance:
         out = self.poll(timeout)
         return out, self.progress()
 
-    def update(self, handle, version: int) -> dict:
-        """Install the weights behind ``handle`` (a ``WeightHandle``) as ``version``."""
+    def update(self, handle, version: int, relay: bool = False) -> dict:
+        """Install the weights behind ``handle`` (a ``WeightHandle``, or a relay's result that
+        Ray resolved: ``weights.engine``) as ``version``. The fetch runs while the engine keeps
+        generating; only the copy into the parameters pauses it. With ``relay``, the result
+        carries a handle of this instance's own copy for the instances it feeds."""
+        from streamrl.weights.engine import resolve
         from streamrl.weights.flat import unflatten
-        from streamrl.weights.transfer import RayObjectStoreTransport
 
+        handle = resolve(handle)
         t0 = time.time()
-        fw = RayObjectStoreTransport().fetch(handle)
+        fw, rec = self.receiver.receive(handle)
         t1 = time.time()
         self.engine.update_weights(unflatten(fw), version)
         t2 = time.time()
-        self.events.append(Event(self.name, "weight_load", -1, version, t0, t2))
-        return {"fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": handle.nbytes, "start": t0, "end": t2}
+        self.events.append(Event(self.name, "weight_fetch", -1, version, rec.start, rec.start + rec.seconds,
+                                 rec.as_meta()))
+        self.events.append(Event(self.name, "weight_load", -1, version, t1, t2))
+        out = {"fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": rec.bytes, "kind": rec.kind, "link": rec.link,
+               "src": rec.src, "start": t0, "end": t2}
+        if relay:
+            out["handle"] = self.receiver.relay(handle, fw)
+        return out
+
+    def location(self):
+        """Where this instance runs (``weights.tree.Location``: node label and site)."""
+        return self.receiver.location
 
     def num_pending(self) -> int:
         with self._lock:

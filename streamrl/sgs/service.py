@@ -70,6 +70,8 @@ from streamrl.policies.rebalance import Unfinished, has_free_slots, plan_round
 from streamrl.ranker.online import OnlineRanker, batch_rank_metrics, make_online_ranker, state_dict_of
 from streamrl.sgs.instance import GenerationInstance
 from streamrl.types import Completion, Event, GenRequest, Partial, Progress
+from streamrl.weights.engine import tree_calls
+from streamrl.weights.tree import Location, levels, plan_tree
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class StreamGenerationService:
             ranker = make_online_ranker(cfg) if wants_lengths else None
         self.ranker: OnlineRanker | None = ranker
         self.instances: dict[str, ray.actor.ActorHandle] = {}
+        self.locations: dict[str, Location] = {}  # instance -> its node and site (the weight tree's input)
         self.assigned: dict[str, tuple[str, GenRequest]] = {}
         self.predicted: dict[str, float] = {}
         self.returned: set[str] = set()  # handed out, of the last few batches (a duplicate submit is refused)
@@ -206,6 +209,7 @@ class StreamGenerationService:
             hold_back=self.hold_back, engine_overrides=self.engine_overrides)
         try:
             ray.get(actor.ready.remote(), timeout=g.replacement_timeout_s)
+            self.locations[name] = ray.get(actor.location.remote(), timeout=g.replacement_timeout_s)
             if self._handle is not None:  # the current weights before any work
                 ray.get(actor.update.remote(self._handle, self.version), timeout=max(self.heartbeat_s, g.replacement_timeout_s))
         except ray.exceptions.GetTimeoutError:
@@ -259,6 +263,7 @@ class StreamGenerationService:
         """Forget instance ``name`` (its polls and progress too) and return its actor handle."""
         actor = self.instances.pop(name)
         self._progress.pop(name, None)
+        self.locations.pop(name, None)
         for ref in [r for r, n in self._polls.items() if n == name]:
             del self._polls[ref]
             self._armed_at.pop(ref, None)
@@ -380,15 +385,44 @@ class StreamGenerationService:
 
     # ---------------------------------------------------------------------------------- weights
     def update(self, handle, version: int, wait: bool = True):
-        """Install ``version`` on every instance. ``wait=False`` returns the refs (overlap)."""
+        """Install ``version`` on every instance, along the weight tree (``weights.method``: every
+        instance from the trainer, or one copy per node and per remote site through relays).
+        ``wait=False`` returns the refs (overlap)."""
         self._handle, self.version = handle, version
-        refs = {n: a.update.remote(handle, version) for n, a in self.instances.items()}
+        parents = self.weight_tree(handle)
+        refs = tree_calls(handle, parents, lambda n, src, relay: self.instances[n].update.remote(src, version, relay))
         if self.ranker is not None:  # rankers that score with the policy fetch it in their thread
             self.ranker.set_policy(lambda: state_dict_of(handle), version)
         if not wait:
             return list(refs.values())
         # A replacement started while failing over installs self._handle itself (add_instance).
-        return list(self._gather(refs, f"weight update to version {version}").values())
+        return self._gather_tree(refs, parents, handle, version)
+
+    def weight_tree(self, handle) -> dict[str, str | None]:
+        """Each instance's parent in this update's broadcast tree (``weights.tree.plan_tree``)."""
+        w = self.cfg.weights
+        source = Location(handle.origin_node, handle.origin_site)
+        return plan_tree(source, {n: self.locations.get(n, Location(n)) for n in self.instances}, w.method, w.fanout)
+
+    def _gather_tree(self, refs: dict, parents: dict[str, str | None], handle, version: int) -> list[dict]:
+        """Each instance's update result, parents first; an instance whose relay failed (and was
+        failed over) fetches from the trainer instead, so one dead relay costs no other instance."""
+        failed: set[str] = set()
+        out = []
+        for level in levels(parents):
+            for name in level:
+                if name not in self.instances:
+                    failed.add(name)
+                    continue
+                ref = refs[name]
+                if parents[name] in failed:
+                    ref = self.instances[name].update.remote(handle, version, False)
+                got = self._gather({name: ref}, f"weight update to version {version}")
+                if name in got:
+                    out.append(got[name])
+                else:
+                    failed.add(name)
+        return out
 
     # ---------------------------------------------------------------------------------- ranker
     def attach_prompts(self, prompts: Sequence) -> None:

@@ -79,7 +79,8 @@ class IterationTrainer:
         ``fsdp``, rank 0 gathers, flattens and puts it: no state dict passes through here)."""
         t0 = time.time()
         handle = self.trainer.publish()
-        self.events.append(Event("trainer", "weight_push", self.iteration, self.trainer.version, t0, time.time()))
+        meta = {"bytes": handle.nbytes, "delta_bytes": handle.delta_nbytes} if handle is not None else {}
+        self.events.append(Event("trainer", "weight_push", self.iteration, self.trainer.version, t0, time.time(), meta))
         return handle
 
     def version(self) -> int:
@@ -128,7 +129,9 @@ class IterationTrainer:
         self.metrics.update({"time/train_s": self.train_s, "time/prepare_s": self.prepare_s,
                              "train/tokens_per_s": self.tokens / max(self.train_s, 1e-9),
                              "train/steps_in_iter": len(self.batches) * self.cfg.trainer.epochs,
-                             "policy/version": self.trainer.version})
+                             "policy/version": self.trainer.version, "weights/bytes": float(handle.nbytes)})
+        if handle.delta is not None:
+            self.metrics["weights/delta_fraction"] = handle.delta_nbytes / handle.nbytes
         return TrainResult(iteration=iteration, version=self.trainer.version, handle=handle, metrics=dict(self.metrics))
 
     def _step(self, batch: list[list], record: bool = True) -> None:

@@ -114,6 +114,7 @@ class FSDPRank:
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
         self.cfg_tree, self.policy_path, self.param_dtype = cfg_tree, policy_path, param_dtype
+        self._publisher = None  # rank 0's weights.engine.WeightPublisher, made at the first publish
 
     def endpoint(self) -> tuple[str, int]:
         """This node's address and a free port on it: rank 0's is the rendezvous point."""
@@ -199,11 +200,16 @@ class FSDPRank:
     def publish(self, version: int):
         """Gather the full state dict; rank 0 flattens it into one buffer and puts it in the
         object store (it owns the object) and returns the handle; others return None."""
-        from streamrl.weights.flat import flatten
-        from streamrl.weights.transfer import RayObjectStoreTransport
-
         state = self.policy_state()
-        return RayObjectStoreTransport().publish(flatten(state, version)) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        if self._publisher is None:
+            from streamrl.config import config_from_dict
+            from streamrl.weights.engine import WeightPublisher
+
+            w = config_from_dict(self.cfg_tree).weights
+            self._publisher = WeightPublisher(w.wire_dtype, w.delta, w.bucket_mb)
+        return self._publisher.publish(state, version)
 
     def parameters_vector(self) -> np.ndarray:
         """Every parameter, unsharded, flattened and concatenated in ``parameters()`` order (as

@@ -175,6 +175,7 @@ class Trainer:
     def __init__(self, cfg: Config, policy_path: str | None = None) -> None:
         self.cfg = cfg
         self.tcfg = cfg.trainer
+        self._publisher = None  # weights.engine.WeightPublisher, made at the first publish (needs Ray)
         torch.set_num_threads(self.tcfg.threads)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tokenizer = load_policy(policy_path or cfg.policy.path)
@@ -315,12 +316,19 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def publish(self):
-        """The current policy flattened into one buffer and put in the Ray object store
-        (``streamrl.weights``); returns its ``WeightHandle``. Needs Ray initialised."""
-        from streamrl.weights.flat import flatten
-        from streamrl.weights.transfer import RayObjectStoreTransport
+        """The current policy flattened into one buffer (in ``weights.wire_dtype``, with a delta
+        from the last version when ``weights.delta``) and put in the Ray object store
+        (``streamrl.weights.engine``); returns its ``WeightHandle``. Needs Ray initialised."""
+        if self._publisher is None:
+            from streamrl.weights.engine import WeightPublisher
 
-        return RayObjectStoreTransport().publish(flatten(self.model.state_dict(), self.version))
+            w = self.cfg.weights
+            self._publisher = WeightPublisher(w.wire_dtype, w.delta, w.bucket_mb)
+        return self._publisher.publish(self.model.state_dict(), self.version)
+
+    def delta_fraction(self) -> float | None:
+        """Bytes of the last published delta over a full copy (None before the second publish)."""
+        return self._publisher.last_delta_fraction if self._publisher is not None else None
 
     def parameters_vector(self) -> np.ndarray:
         """Every parameter flattened and concatenated in ``parameters()`` order (tests compare

@@ -197,3 +197,28 @@ def delta_fraction(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tens
     b = flatten(to_wire(new, wire_dtype), 1)
     return make_delta(a.buffer, b.buffer, 0, 1, max(2, int(bucket_mb * 2**20))).changed_fraction
 
+
+
+def resolve(arg) -> WeightHandle:
+    """The handle a receiver was sent: the publisher's, or its relay's result (``{"handle": ...}``)
+    that Ray resolved before the call."""
+    if isinstance(arg, dict):
+        if arg.get("handle") is None:
+            raise ValueError("a weight update was chained to a receiver that did not relay")
+        return arg["handle"]
+    return arg
+
+
+def tree_calls(handle: WeightHandle, parents: dict[str, str | None], call) -> dict[str, object]:
+    """Start every receiver's update at once, in tree order: ``call(name, src, relay)`` returns
+    an ObjectRef; ``src`` is ``handle`` for the publisher's children and the parent's ObjectRef
+    otherwise (Ray starts the child once the parent's result, with its relay handle, is ready)."""
+    from streamrl.weights.tree import levels
+
+    relays = {p for p in parents.values() if p is not None}
+    refs: dict[str, object] = {}
+    for level in levels(parents):
+        for name in level:
+            parent = parents[name]
+            refs[name] = call(name, handle if parent is None else refs[parent], name in relays)
+    return refs
