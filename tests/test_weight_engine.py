@@ -151,3 +151,47 @@ def test_a_receiver_that_missed_a_version_gets_a_full_copy_and_one_that_kept_up_
         fw, rec = WeightReceiver("gen-2", location=Location("B2", "B")).receive(relayed)
         assert fw.buffer.tobytes() == expected.tobytes() and rec.src == "gen-0" and rec.link == "B"
     assert kinds == {"gen-0": ["full", "delta", "delta", "delta"], "gen-1": ["full", "delta", "full"]}
+
+
+@pytest.mark.slow
+def test_instances_take_deltas_after_the_first_version_and_a_replacement_gets_a_full_copy(ray_session,
+                                                                                         tiny_policy_dir):
+    import os
+    import signal
+
+    import ray
+
+    from streamrl.config import load_config
+    from streamrl.models.tiny import load_policy
+    from streamrl.sgs.service import StreamGenerationService
+    from streamrl.weights.engine import WeightPublisher
+
+    cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "weights.delta=true", "weights.wire_dtype=bfloat16",
+                             "task.num_eval=4"])
+    model, _ = load_policy(tiny_policy_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    pub = WeightPublisher("bfloat16", delta=True)
+    sgs = StreamGenerationService(cfg)
+    try:
+        sgs.add_instance()
+        sgs.add_instance()
+        kinds = []
+        for v in range(3):
+            if v:
+                x = torch.randint(0, model.config.vocab_size, (2, 16))
+                model(input_ids=x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            kinds.append(sorted(r["kind"] for r in sgs.update(pub.publish(model.state_dict(), v), v)))
+        assert kinds == [["full", "full"], ["delta", "delta"], ["delta", "delta"]]
+        victim = sorted(sgs.instances)[0]
+        os.kill(ray.get(sgs.instances[victim].pid.remote()), signal.SIGKILL)
+        # nothing is assigned, so the death shows at the next update
+        results = sgs.update(pub.publish(model.state_dict(), 3), 3)
+        assert [r["kind"] for r in results] == ["delta"]  # the survivor; the replacement installs while starting
+        assert sgs.counters["sgs/faults"] == 1 and victim not in sgs.instances
+        fetched = {e.who: e.meta["kind"] for e in sgs.drain_events() if e.what == "weight_fetch" and e.version == 3}
+        assert sorted(fetched.values()) == ["delta", "full"] and fetched[max(sgs.instances)] == "full"
+        assert {ray.get(a.version.remote()) for a in sgs.instances.values()} == {3}
+    finally:
+        sgs.shutdown()
