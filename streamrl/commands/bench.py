@@ -1,5 +1,9 @@
-"""`streamrl bench modes|scheduling|faults [CONFIG] [overrides]`: pipeline-mode throughput;
-scheduling makespan; exactly-once and recovery under killed instances and drivers."""
+"""`streamrl bench modes|scheduling|faults|soak [CONFIG] [overrides]` and `bench weights`:
+pipeline-mode throughput; scheduling makespan; exactly-once and recovery under killed instances
+and drivers; memory over a long run; weight updates across a shaped link between sites."""
+
+import argparse
+from pathlib import Path
 
 from streamrl.metrics.report import add_out_argument
 
@@ -72,6 +76,87 @@ def register(sub) -> None:
     k.add_argument("--out-dir", default="runs/bench_soak", help="the run's directory and log")
     add_out_argument(k)
     k.set_defaults(handler="streamrl.commands.bench:run_soak")
+
+
+    w = bsub.add_parser("weights", help="one weight update at a time across a shaped link between two sites: "
+                                        "naive, tree (one copy per site), tree+delta; bytes from the link's counters")
+    w.add_argument("--sites", default="A:1,B:2", help="sites to build (default A:1,B:2: the trainer in A, a "
+                                                      "receiver on each node of B)")
+    w.add_argument("--link", default="A-B:200mbit", help="the shaped link (default A-B:200mbit)")
+    w.add_argument("--cluster", default=None, help="use this cluster (`streamrl cluster up`) instead of building one")
+    w.add_argument("--per-node", type=int, default=1, help="receivers per remote node (1)")
+    w.add_argument("--vocab", type=int, default=32000)
+    w.add_argument("--hidden", type=int, default=768)
+    w.add_argument("--layers", type=int, default=12)
+    w.add_argument("--heads", type=int, default=12)
+    w.add_argument("--kv-heads", type=int, default=4)
+    w.add_argument("--intermediate", type=int, default=2048,
+                   help="with the defaults above: a 100M-parameter Qwen2 shape, 400 MB fp32, 200 MB bf16")
+    w.add_argument("--updates", type=int, default=3, help="timed updates per method (3)")
+    w.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the timed updates (1e-6)")
+    w.add_argument("--demo-lr", type=float, default=None,
+                   help="also report the delta fraction at this learning rate (default: configs/tiny.yaml's)")
+    w.add_argument("--wire", default="bfloat16", choices=["float32", "bfloat16"], help="wire dtype (bfloat16)")
+    w.add_argument("--bucket-mb", type=float, default=16.0)
+    w.add_argument("--fanout", type=int, default=2)
+    w.add_argument("--methods", default="naive,tree,tree+delta")
+    w.add_argument("--threads", type=int, default=2, help="torch threads of the trainer (2)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--object-store-mb", type=int, default=1536, help="object store of each node (1536)")
+    w.add_argument("--timeout-s", type=float, default=1800.0)
+    w.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # the run inside the head's namespace
+    add_out_argument(w)
+    w.set_defaults(handler="streamrl.commands.bench:run_weights")
+
+
+def run_weights(args) -> int:
+    from streamrl.bench.weights import METHODS
+    from streamrl.metrics.report import print_table, write_json
+
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        from streamrl.errors import UserError
+
+        raise UserError(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        from streamrl.errors import UserError
+
+        raise UserError(f"--hidden={args.hidden} must be a multiple of --heads={args.heads}, and --heads of "
+                        f"--kv-heads={args.kv_heads}")
+    if args.demo_lr is None:
+        from streamrl.config import load_config
+
+        args.demo_lr = load_config("configs/tiny.yaml", []).trainer.lr if Path("configs/tiny.yaml").exists() else None
+    if args.inside:
+        from streamrl.bench.weights import run_inside
+
+        write_json(args.out, run_inside(args.cluster, args))
+        return 0
+    from streamrl.bench.weights import bench_weights
+
+    args.passthrough = [f"--per-node={args.per_node}", f"--vocab={args.vocab}", f"--hidden={args.hidden}",
+                        f"--layers={args.layers}", f"--heads={args.heads}", f"--kv-heads={args.kv_heads}",
+                        f"--intermediate={args.intermediate}", f"--updates={args.updates}", f"--lr={args.lr}",
+                        f"--wire={args.wire}", f"--bucket-mb={args.bucket_mb}", f"--fanout={args.fanout}",
+                        f"--methods={','.join(args.methods)}", f"--threads={args.threads}", f"--seed={args.seed}"]
+    if args.demo_lr:
+        args.passthrough.append(f"--demo-lr={args.demo_lr}")
+    result = bench_weights(args)
+    rows = [{**r, "site_bytes_per_update": ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in r["site_bytes_per_update"].items())}
+            for r in result["rows"]]
+    print_table(f"bench weights: {result['params'] / 1e6:.0f}M parameters, {result['wire_dtype']} on the wire, "
+                f"AdamW lr {result['lr']:g}, trainer in {result['trainer'][1]}, "
+                f"{len(result['receivers'])} receivers in {sorted({s for _, s in result['receivers'].values()})}",
+                rows, ["method", "model_bytes", "planned_copies", "slow_link_bytes_per_update",
+                       "slow_link_copies_per_update", "site_bytes_per_update", "link_limit_bytes_per_s",
+                       "achieved_bytes_per_s", "achieved_of_limit", "all_instances_s", "generation_pause_s",
+                       "delta_fraction"])
+    if result.get("demo_lr"):
+        d = result["demo_lr"]
+        print(f"delta fraction at lr {d['lr']:g} (configs/tiny.yaml): " + ", ".join(f"{x:.3f}" for x in d["delta_fractions"]))
+    write_json(args.out, result)
+    return 0
 
 
 def run_modes(args) -> int:
