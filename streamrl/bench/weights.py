@@ -93,7 +93,7 @@ class WeightSink:
     """A generation instance's weight path without its engine: the same receiver, relay and
     install copy (``sgs.instance.GenerationInstance.update``)."""
 
-    def __init__(self, name: str, cfg_kwargs: dict) -> None:
+    def __init__(self, name: str, cfg_kwargs: dict, bucket_mb: float) -> None:
         import torch
         from transformers import Qwen2ForCausalLM
 
@@ -103,7 +103,7 @@ class WeightSink:
         self.name = name
         self.model = Qwen2ForCausalLM(model_config(**cfg_kwargs))
         self.params = self.model.state_dict()
-        self.receiver = WeightReceiver(name, keep=True)
+        self.receiver = WeightReceiver(name, keep=True, bucket_mb=bucket_mb)
 
     def reset(self) -> None:
         self.receiver.held = None
@@ -173,7 +173,7 @@ def run_inside(cluster_name: str, args) -> dict:
         kw, args.lr, args.seed, args.threads)
     sinks = {}
     for i, node in enumerate(n for n in cl.site_nodes(remote.name) for _ in range(args.per_node)):
-        sinks[f"gen-{i}"] = WeightSink.options(resources={f"node_{node.name}": 0.001}).remote(f"gen-{i}", kw)
+        sinks[f"gen-{i}"] = WeightSink.options(resources={f"node_{node.name}": 0.001}).remote(f"gen-{i}", kw, args.bucket_mb)
     params = ray.get(trainer.params.remote())
     ray.get(trainer.configure.remote(args.wire, False, args.bucket_mb))
     source = ray.get(trainer.location.remote())

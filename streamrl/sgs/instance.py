@@ -60,7 +60,7 @@ class GenerationInstance:
         self.engine = make_engine(cfg.generation.engine, model, **kwargs)
         from streamrl.weights.engine import WeightReceiver
 
-        self.receiver = WeightReceiver(name, keep=cfg.weights.delta)
+        self.receiver = WeightReceiver(name, keep=cfg.weights.delta, bucket_mb=cfg.weights.bucket_mb)
         self.events: list[Event] = []
         self.hold_back = hold_back
         batch = int(self.engine.max_inflight or cfg.generation.max_requests_per_batch)

@@ -32,7 +32,7 @@ import torch
 
 from streamrl.weights.delta import Delta, apply_delta, checksum, make_delta
 from streamrl.weights.flat import FlatWeights, flatten
-from streamrl.weights.transfer import WeightHandle
+from streamrl.weights.transfer import FETCH_WINDOW, WeightHandle, fetch_buffer
 from streamrl.weights.tree import Location
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -90,14 +90,39 @@ def link_name(src_site: str, dst_site: str) -> str:
     return f"{src_site or '?'}->{dst_site or '?'}"
 
 
+def put_buckets(buf, bucket_bytes: int) -> list:
+    """``buf`` as consecutive bucket objects in this process's object store (their refs, in order)."""
+    import ray
+
+    return [ray.put(buf[s:s + bucket_bytes]) for s in range(0, max(buf.nbytes, 1), bucket_bytes)]
+
+
+def put_buckets_of(delta: Delta) -> list:
+    """Each bucket of ``delta`` as its own object (their refs, in order)."""
+    import ray
+
+    return [ray.put(b) for b in delta.buckets]
+
+
+def _fetch_delta(handle: WeightHandle) -> Delta:
+    """The delta's buckets, ``FETCH_WINDOW`` at a time (see ``transfer.fetch_buffer``)."""
+    import ray
+
+    refs, buckets = handle.delta, []
+    for i in range(0, len(refs), FETCH_WINDOW):
+        buckets += ray.get(refs[i:i + FETCH_WINDOW])
+    return Delta(handle.base, handle.version, handle.nbytes, handle.checksum, tuple(buckets))
+
+
 class WeightPublisher:
-    """The trainer's side. ``delta=True`` keeps the last published buffer to diff against."""
+    """The trainer's side: versioned buffers put as ``bucket_mb`` buckets; ``delta=True`` keeps
+    the last published buffer to diff against."""
 
     def __init__(self, wire_dtype: str = "float32", delta: bool = False, bucket_mb: float = 16.0,
                  name: str = "trainer", location: Location | None = None) -> None:
         to_wire({}, wire_dtype)  # validates the name
         self.wire_dtype, self.delta, self.name = wire_dtype, delta, name
-        self.bucket_bytes = max(2, int(bucket_mb * 2**20))
+        self.bucket_bytes = max(64, int(bucket_mb * 2**20) // 64 * 64)
         self._location = location
         self._prev: FlatWeights | None = None
         self.last_delta_fraction: float | None = None
@@ -109,37 +134,31 @@ class WeightPublisher:
         return self._location
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightHandle:
-        import ray
-
         fw = flatten(to_wire(state_dict, self.wire_dtype), version, {"src": self.name})
-        return self.publish_flat(fw, ray.put(fw.buffer))
-
-    def publish_flat(self, fw: FlatWeights, full_ref) -> WeightHandle:
-        """The handle of ``fw`` already put as ``full_ref``, with a delta from the last version."""
-        import ray
-
-        delta_ref, base, delta_nbytes, crc = None, None, 0, None
+        delta_refs, base, delta_nbytes, crc = None, None, 0, None
         if self.delta:
             prev = self._prev
             if prev is not None and prev.spec == fw.spec and prev.version < fw.version:
                 d = make_delta(prev.buffer, fw.buffer, prev.version, fw.version, self.bucket_bytes)
-                delta_ref, base, delta_nbytes, crc = ray.put(d), prev.version, d.nbytes, d.checksum
+                delta_refs, base, delta_nbytes, crc = put_buckets_of(d), prev.version, d.nbytes, d.checksum
                 self.last_delta_fraction = d.changed_fraction
             else:
                 crc = checksum(fw.buffer)
             self._prev = fw
         loc = self.location
-        return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", full_ref, delta=delta_ref, base=base,
-                            delta_nbytes=delta_nbytes, checksum=crc, origin=self.name, origin_site=loc.site,
-                            origin_node=loc.node)
+        return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", put_buckets(fw.buffer, self.bucket_bytes),
+                            delta=delta_refs, base=base, delta_nbytes=delta_nbytes, checksum=crc, origin=self.name,
+                            origin_site=loc.site, origin_node=loc.node)
 
 
 class WeightReceiver:
     """An instance's side: fetch a version (a delta when it holds the base), keep the buffer
     for the next delta when ``keep``, and re-publish its copy when it relays."""
 
-    def __init__(self, name: str, keep: bool = False, location: Location | None = None) -> None:
+    def __init__(self, name: str, keep: bool = False, location: Location | None = None,
+                 bucket_mb: float = 16.0) -> None:
         self.name, self.keep = name, keep
+        self.bucket_bytes = max(64, int(bucket_mb * 2**20) // 64 * 64)
         self._location = location
         self.held: FlatWeights | None = None
         self._last_delta: Delta | None = None
@@ -151,22 +170,18 @@ class WeightReceiver:
         return self._location
 
     def receive(self, handle: WeightHandle) -> tuple[FlatWeights, FetchRecord]:
-        import ray
-
         if handle.transport != "ray":
             raise ValueError(f"WeightReceiver fetches from the Ray object store, got a {handle.transport!r} handle")
         wall, t0 = time.time(), time.perf_counter()
         held = self.held
         self._last_delta = None
         if handle.delta is not None and held is not None and held.version == handle.base:
-            delta: Delta = ray.get(handle.delta)
+            delta = _fetch_delta(handle)
             buf = apply_delta(held.buffer, delta, held.version)
             kind, nbytes = "delta", handle.delta_nbytes
             self._last_delta = delta
         else:
-            buf = ray.get(handle.payload)
-            if buf.nbytes != handle.nbytes:
-                raise ValueError(f"fetched {buf.nbytes} bytes for version {handle.version}, handle says {handle.nbytes}")
+            buf = fetch_buffer(handle)
             if handle.checksum is not None and checksum(buf) != handle.checksum:
                 raise ValueError(f"version {handle.version} from {handle.origin}: checksum mismatch on a full copy")
             kind, nbytes = "full", handle.nbytes
@@ -180,13 +195,11 @@ class WeightReceiver:
     def relay(self, handle: WeightHandle, fw: FlatWeights) -> WeightHandle:
         """A handle of this process's own copy of ``fw`` (received through ``handle``), so that
         children fetch from this node; the delta it received is re-offered with it."""
-        import ray
-
         loc = self.location
-        delta_ref = ray.put(self._last_delta) if self._last_delta is not None else None
-        return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", ray.put(fw.buffer),
-                            delta=delta_ref, base=handle.base if delta_ref is not None else None,
-                            delta_nbytes=handle.delta_nbytes if delta_ref is not None else 0,
+        delta_refs = put_buckets_of(self._last_delta) if self._last_delta is not None else None
+        return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", put_buckets(fw.buffer, self.bucket_bytes),
+                            delta=delta_refs, base=handle.base if delta_refs is not None else None,
+                            delta_nbytes=handle.delta_nbytes if delta_refs is not None else 0,
                             checksum=handle.checksum, origin=self.name, origin_site=loc.site, origin_node=loc.node)
 
 
