@@ -69,7 +69,13 @@ def format_user_error(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides after an option (`train CONFIG --plan F a.b=1`): argparse stops filling a
+    # positional list at the first option, so such overrides come back unparsed; they join the list.
+    if extra and isinstance(getattr(args, "overrides", None), list) and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = getattr(args, "handler", None)
     if handler is None:
         # A group command (e.g. `streamrl simulate`) without its sub-command.

@@ -102,6 +102,8 @@ class RunConfig(_Section):
 class ClusterConfig(_Section):
     address: str | None = Field(None, description="existing Ray cluster address; None starts a local one")
     num_cpus: int = Field(2, ge=1, description="CPUs of the local Ray cluster")
+    ship_package: bool = Field(True, description="with cluster.address: send this streamrl package to every node "
+                               "through Ray's runtime environment (nodes need Python and the dependencies only)")
     ray_task_events: bool = Field(False, description="let Ray record an event per actor call (its dashboard's task "
                                   "list); off by default: the GCS keeps them and grows with the run, and the run's "
                                   "own timeline records the stages")
@@ -686,6 +688,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _set_dotted(tree, key, value)
     _resolve_paths(tree, Path.cwd(), defaults=True)
     return config_from_dict(tree)
+
+
+def plan_overrides(path: str | Path) -> list[str]:
+    """A plan file (``streamrl plan --placement-out``: YAML config sections) as dotted overrides,
+    applied before the command line's own."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--plan {str(path)!r}: no such file")
+    tree = _read_config_file(p)
+    out: list[str] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out.append(f"{prefix}{key}=" + yaml.dump(value, default_flow_style=True, width=float("inf")).strip()
+                           .removesuffix("\n...").removesuffix("...").strip())
+    walk(tree, "")
+    return out
 
 
 def split_cli_config(config: str | None, overrides: list[str] | tuple[str, ...],

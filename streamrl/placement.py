@@ -18,14 +18,18 @@ H20 nodes with ``--resources='{"H20": 8}'``). The trainer bundles become the pla
 resources as actor options (``sgs.service``). On CPU the trainer is one bundle of
 ``trainer.threads`` CPUs, or with ``trainer.backend=fsdp`` ``trainer.fsdp_ranks`` bundles of
 ``trainer.fsdp_rank_cpus`` each (gloo ranks; fractions let a 2-core machine hold two ranks and an
-instance). ``streamrl train CONFIG --dry-run`` prints the plan
+instance). Pinning (``placement.trainer_node`` / ``trainer_site`` / ``gen_nodes`` / ``gen_sites``) adds a
+small amount of a node's ``node_<N>`` or ``site_<S>`` label resource to a bundle, so Ray can only
+place that worker there (``streamrl cluster up`` labels its nodes so; ``streamrl plan --cluster``
+writes such a plan); ``check_cluster`` fails before any actor exists when no node carries a
+label the plan asks for. ``streamrl train CONFIG --dry-run`` prints the plan
 on any machine, GPU or not. A plan that does not fit fails here, naming the key and the numbers,
 instead of Ray waiting forever for resources that never come.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from streamrl.config import Config, ConfigError
 
@@ -78,6 +82,57 @@ def plan_placement(cfg: Config) -> PlacementPlan:
     return _plan_gpu(cfg)
 
 
+PIN_AMOUNT = 0.001
+"""How much of a ``node_<N>`` / ``site_<S>`` label resource a pinned actor asks for: enough to
+restrict where Ray may place it, too little to limit how many actors share the node."""
+
+
+def trainer_labels(cfg: Config) -> dict[str, float]:
+    """The label resources that pin the trainer (``placement.trainer_node`` / ``trainer_site``)."""
+    p = cfg.placement
+    if p.trainer_node:
+        return {f"node_{p.trainer_node}": PIN_AMOUNT}
+    if p.trainer_site:
+        return {f"site_{p.trainer_site}": PIN_AMOUNT}
+    return {}
+
+
+def gen_labels(cfg: Config, index: int) -> dict[str, float]:
+    """The label resources that pin generation instance ``index`` (round robin over
+    ``placement.gen_nodes``, else ``gen_sites``); replacements and elastic additions continue the
+    round robin."""
+    p = cfg.placement
+    if p.gen_nodes:
+        return {f"node_{p.gen_nodes[index % len(p.gen_nodes)]}": PIN_AMOUNT}
+    if p.gen_sites:
+        return {f"site_{p.gen_sites[index % len(p.gen_sites)]}": PIN_AMOUNT}
+    return {}
+
+
+def _where(labels: dict[str, float], default: str) -> str:
+    """A bundle's planned place for display: ``A0``, ``site B`` or the default."""
+    for key in labels:
+        kind, _, name = key.partition("_")
+        return name if kind == "node" else f"site {name}"
+    return default
+
+
+def check_cluster(plan: PlacementPlan, resources: dict[str, float]) -> None:
+    """Fail, naming what is missing, when a pinned worker asks for a node or site label that no
+    node of the running cluster carries (``resources``: ``ray.cluster_resources()``). Called
+    after Ray starts and before any actor exists, so an unsatisfiable plan costs no work."""
+    missing: dict[str, list[str]] = {}
+    for b in plan.trainer + plan.generation:
+        for key in b.resources:
+            if key.startswith(("node_", "site_")) and key not in resources:
+                missing.setdefault(key, []).append(b.role)
+    if missing:
+        have = sorted(k for k in resources if k.startswith(("node_", "site_")))
+        detail = "; ".join(f"{k} (for {', '.join(v[:3])}{' ...' if len(v) > 3 else ''})" for k, v in missing.items())
+        raise ConfigError(f"placement: the cluster has no node with {detail}; its labels: "
+                          f"{', '.join(have) or 'none (start nodes with streamrl cluster up, or ray start --resources)'}")
+
+
 def elastic_max(cfg: Config) -> int:
     """The most instances an elastic run may hold: ``generation.max_instances``, default one
     more than it starts with."""
@@ -88,21 +143,25 @@ def elastic_max(cfg: Config) -> int:
 def _plan_cpu(cfg: Config) -> PlacementPlan:
     g, t = cfg.generation, cfg.trainer
     node = Node("local", "cpu", 0, cfg.cluster.num_cpus)
+    pin = trainer_labels(cfg)
     if t.backend == "fsdp":
-        trainer = tuple(Bundle(f"trainer-rank-{r}", {"CPU": float(t.fsdp_rank_cpus)}, node.name)
+        trainer = tuple(Bundle(f"trainer-rank-{r}", {"CPU": float(t.fsdp_rank_cpus), **pin}, _where(pin, node.name))
                         for r in range(t.fsdp_ranks))
         trainer_desc = f"trainer.fsdp_ranks ({t.fsdp_ranks}) x trainer.fsdp_rank_cpus ({t.fsdp_rank_cpus:g})"
     else:
-        trainer = (Bundle("trainer-rank-0", {"CPU": float(t.threads)}, node.name),)
+        trainer = (Bundle("trainer-rank-0", {"CPU": float(t.threads), **pin}, _where(pin, node.name)),)
         trainer_desc = f"trainer.threads ({t.threads})"
     count = max(g.num_instances, elastic_max(cfg)) if g.elastic else g.num_instances
     cpus = g.cpus_per_instance if g.cpus_per_instance is not None else float(g.threads_per_instance)
-    gen = tuple(Bundle(f"gen-{i}", {"CPU": cpus, **g.resources}, node.name)
-                for i in range(count))
+    gen = tuple(Bundle(f"gen-{i}", {"CPU": cpus, **g.resources, **gen_labels(cfg, i)},
+                       _where(gen_labels(cfg, i), node.name)) for i in range(count))
     need = sum(b.resources["CPU"] for b in trainer + gen)
     notes = []
     if cfg.mode == "colocated":
         notes.append("colocated: one worker time-shares generation and training")
+        if pin or cfg.placement.gen_nodes or cfg.placement.gen_sites:
+            raise ConfigError("placement.trainer_node/trainer_site/gen_nodes/gen_sites place separate trainer and "
+                              f"generation workers: mode={cfg.mode!r} has one worker (use a disaggregated mode)")
     elif need > cfg.cluster.num_cpus and cfg.cluster.address is None:
         raise ConfigError(f"placement: {trainer_desc} + generation."
                           f"{'max_instances' if g.elastic else 'num_instances'} ({count}) x "
@@ -178,6 +237,9 @@ def _plan_gpu(cfg: Config) -> PlacementPlan:
                               f"{tp} GPUs of type {gkind or 'any'} do not fit beside the trainer's "
                               f"{p.trainer_gpus}: only {i} instances fit ({_describe(nodes)})")
         gen.append(take(fits[0], tp, f"gen-{i}"))
+    pin = trainer_labels(cfg)
+    trainer = [replace(b, resources={**b.resources, **pin}) for b in trainer]
+    gen = [replace(b, resources={**b.resources, **gen_labels(cfg, i)}) for i, b in enumerate(gen)]
     notes = [f"trainer: FSDP2 over {p.trainer_gpus} ranks, {p.trainer_dtype}, placement group {strategy}",
              f"generation: {g.num_instances} vLLM instances x {tp} GPUs (tensor parallel {tp})"]
     if kind and gkind and kind != gkind:
@@ -208,3 +270,33 @@ def format_plan(plan: PlacementPlan) -> str:
         lines.append("  GPUs by type: " + ", ".join(f"{k}={v}" for k, v in sorted(used.items())))
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def plan_file_from_split(row: dict, gen_gpu_type: str | None = None, train_gpu_type: str | None = None) -> dict:
+    """The config sections of an Algorithm 1 split (``streamrl plan``'s row) for
+    ``streamrl train --plan FILE``: the trainer's GPUs, the instance count and tensor parallelism."""
+    placement = {"device": "cuda", "trainer_gpus": int(row["train_gpus"]), "gen_gpus_per_instance": int(row["gen_tp"])}
+    if train_gpu_type:
+        placement["trainer_gpu_type"] = train_gpu_type
+    if gen_gpu_type:
+        placement["gen_gpu_type"] = gen_gpu_type
+    return {"placement": placement, "generation": {"num_instances": int(row["gen_instances"])}}
+
+
+def plan_file_for_sites(nodes: list[tuple[str, str]], train_site: str | None = None,
+                        instances: int | None = None) -> dict:
+    """The config sections that place a run on a labelled cluster (``nodes``: ``(name, site)``
+    in order): the trainer on the first node of ``train_site`` (default: the first site), the
+    generation instances round robin over the other sites' nodes (every node when there is one
+    site), ``instances`` of them (default: one per such node)."""
+    if not nodes:
+        raise ConfigError("placement: the cluster has no nodes")
+    sites = list(dict.fromkeys(site for _, site in nodes))
+    train_site = train_site or sites[0]
+    if train_site not in sites:
+        raise ConfigError(f"placement: no site {train_site!r} in the cluster (sites: {', '.join(sites)})")
+    trainer = next(name for name, site in nodes if site == train_site)
+    gen = [name for name, site in nodes if site != train_site] or [name for name, _ in nodes]
+    count = instances or len(gen)
+    return {"placement": {"trainer_node": trainer, "gen_nodes": gen[:count] if count < len(gen) else gen},
+            "generation": {"num_instances": count}}

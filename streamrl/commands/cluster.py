@@ -3,6 +3,8 @@ namespaces joined by shaped links, see ``streamrl.cluster``)."""
 
 from __future__ import annotations
 
+import argparse
+
 
 def register(sub) -> None:
     p = sub.add_parser("cluster", help="a multi-site Ray cluster on this host: network namespaces, shaped links")
@@ -24,7 +26,7 @@ def register(sub) -> None:
     r = csub.add_parser("run", help="run a command inside the head's namespace with RAY_ADDRESS set "
                                     "(e.g. streamrl cluster run -- streamrl train CONFIG cluster.address=auto)")
     r.add_argument("--node", default=None, help="run in this node's namespace instead of the head's (e.g. B0)")
-    r.add_argument("argv", nargs="+", help="the command")
+    r.add_argument("argv", nargs=argparse.REMAINDER, help="the command (after --)")
     r.set_defaults(handler="streamrl.commands.cluster:run_run")
     for q in (u, d, s, r):
         q.add_argument("--name", default="srl", help="cluster name, the prefix of its namespaces and links (srl)")
@@ -70,4 +72,8 @@ def run_run(args) -> int:
 
     cl = c.load(args.name)
     argv = args.argv[1:] if args.argv and args.argv[0] == "--" else args.argv
+    if not argv:
+        from streamrl.errors import UserError
+
+        raise UserError("streamrl cluster run: give the command after --, e.g. streamrl cluster run -- streamrl train ...")
     return subprocess.call(cl.exec_argv(argv, args.node))

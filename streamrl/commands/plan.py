@@ -27,11 +27,19 @@ def register(subparsers) -> None:
     p.add_argument("--instance-devices", type=int, default=1, help="with --profile: devices per generation instance")
     p.add_argument("--png", help="plot the predicted stage times over every candidate split to this PNG")
     p.add_argument("--all", action="store_true", help="print every candidate split (default: at most ~24 rows)")
+    p.add_argument("--placement-out", metavar="FILE", help="write the chosen split (or, with --cluster, which node "
+                   "runs the trainer and each generation instance) as config sections for `streamrl train --plan FILE`")
+    p.add_argument("--cluster", metavar="NAME", help="place a run on this labelled cluster (`streamrl cluster up`) "
+                   "instead of splitting GPUs: the trainer in --train-site, instances over the other sites' nodes")
+    p.add_argument("--train-site", help="with --cluster: the trainer's site (default: the first)")
+    p.add_argument("--instances", type=int, help="with --cluster: generation instances (default: one per node)")
     add_out_argument(p)
     p.set_defaults(handler="streamrl.commands.plan:run_plan")
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return _plan_on_cluster(args)
     from streamrl.sim.estimators import ProfileEstimator, SimEstimator
     from streamrl.metrics.report import print_table, write_json
     from streamrl.planner.plan import plan_cross_dc, plan_single_dc, plot_sweep
@@ -80,7 +88,41 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.png:
         cross = bool(args.gen_gpus or args.train_gpus)
         print(f"plot: {plot_sweep(sweep, args.png, title=f'{args.model}, max_len {args.max_len}', cross_dc=cross)}")
+    if args.placement_out:
+        from streamrl.placement import plan_file_from_split
+
+        cross = bool(args.gen_gpus or args.train_gpus)
+        _write_plan(args.placement_out, plan_file_from_split(row, args.gen_gpu_type or args.gpu_type if cross else None,
+                                                             args.train_gpu_type or args.gpu_type if cross else None))
     write_json(args.out, {"plan": row, "sweep": sweep})
+    return 0
+
+
+def _write_plan(path: str, sections: dict) -> None:
+    from pathlib import Path
+
+    import yaml
+
+    Path(path).write_text("# streamrl train --plan " + path + "\n" + yaml.safe_dump(sections, sort_keys=False))
+    print(f"placement plan: {path}")
+
+
+def _plan_on_cluster(args: argparse.Namespace) -> int:
+    from streamrl import cluster as C
+    from streamrl.metrics.report import print_table, write_json
+    from streamrl.placement import plan_file_for_sites
+
+    cl = C.load(args.cluster)
+    sections = plan_file_for_sites([(n.name, n.site) for n in cl.nodes], args.train_site, args.instances)
+    p = sections["placement"]
+    rows = [{"worker": "trainer", "node": p["trainer_node"], "site": cl.node(p["trainer_node"]).site}]
+    for i in range(sections["generation"]["num_instances"]):
+        node = p["gen_nodes"][i % len(p["gen_nodes"])]
+        rows.append({"worker": f"gen-{i}", "node": node, "site": cl.node(node).site})
+    print_table(f"placement on cluster {cl.name}", rows, ["worker", "node", "site"])
+    if args.placement_out:
+        _write_plan(args.placement_out, sections)
+    write_json(args.out, {"placement": sections, "rows": rows})
     return 0
 
 

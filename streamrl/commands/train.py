@@ -10,6 +10,8 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="run RL post-training (config file + dotted overrides)")
     p.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4 mode=stream-sync")
+    p.add_argument("--plan", default=None, metavar="FILE", help="a placement plan (`streamrl plan ... "
+                   "--placement-out FILE`): its sections apply before the command line's overrides")
     p.add_argument("--dry-run", action="store_true", help="validate the config, print the placement plan and "
                    "the inputs a run would read, then exit (no Ray, no torch, no GPU needed)")
     add_out_argument(p)
@@ -19,7 +21,12 @@ def register(sub) -> None:
 def run(args) -> int:
     from streamrl.config import load_cli_config
 
-    cfg = load_cli_config(args.config, args.overrides)  # fails before any work on a bad key or value
+    from streamrl.config import plan_overrides, split_cli_config
+
+    config, overrides = split_cli_config(args.config, args.overrides)
+    if args.plan:
+        overrides = plan_overrides(args.plan) + overrides
+    cfg = load_cli_config(config, overrides)  # fails before any work on a bad key or value
     if getattr(args, "dry_run", False):
         return _dry_run(cfg, args)
     import logging

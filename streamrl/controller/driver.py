@@ -24,7 +24,7 @@ import numpy as np
 from streamrl.config import Config, dump_config
 from streamrl.controller.common import PromptStream, RequestBuilder, Scorer, length_stats
 from streamrl.modes import get_mode
-from streamrl.placement import PlacementPlan, plan_placement
+from streamrl.placement import PlacementPlan, check_cluster, plan_placement
 from streamrl.tasks.factory import make_task
 
 if TYPE_CHECKING:
@@ -40,11 +40,21 @@ def init_ray(cfg: Config) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if ray.is_initialized():
         return
+    env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
     if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, log_to_driver=True)
+        if cfg.cluster.ship_package:  # other nodes import this copy of the package (controller.shipping)
+            import streamrl
+
+            env["py_modules"] = [str(Path(streamrl.__file__).parent)]
+        ray.init(address=cfg.cluster.address, log_to_driver=True, runtime_env=env)
     else:
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=env)
+
+
+def ray_resources() -> dict[str, float]:
+    import ray
+
+    return ray.cluster_resources()
 
 
 def ensure_policy(cfg: Config, echo=print) -> None:
@@ -220,8 +230,10 @@ def _train(cfg: Config, echo, reward, callbacks, plan: PlacementPlan, rundir) ->
     ctx.fault_log = str(out / "faults.jsonl")  # the SGS appends each fault as it happens
     train_prompts, eval_prompts, data_metrics = usable_prompts(cfg, task, ctx.builder)  # before Ray starts
     init_ray(cfg)
+    check_cluster(plan, ray_resources())  # a pinned worker with no node to run on fails before any actor
     stream = PromptStream(train_prompts, seed=cfg.run.seed, shuffle=not getattr(task, "ordered", False))
     pipeline = make_pipeline(cfg, ctx, plan)
+    (out / "placement.json").write_text(json.dumps(pipeline.locations(), indent=1) + "\n")  # where each worker ran
     start = 0
     ckpt = out / "checkpoint"
     if cfg.run.resume:  # RunDir has checked that the checkpoint exists

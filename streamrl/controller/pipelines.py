@@ -18,7 +18,7 @@ from streamrl.config import Config
 from streamrl.errors import TrainerFailed
 from streamrl.metrics.timeline import Timeline
 from streamrl.modes import get_mode
-from streamrl.placement import PlacementPlan
+from streamrl.placement import PlacementPlan, trainer_labels
 from streamrl.types import Completion, GenRequest, TrainResult
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,18 @@ def trainer_get(ref, what: str, timeout_s: float | None = None):
 AHEAD_PRIORITY = 1e6
 """Partial rollout: iteration i's requests get priority offset ``-i * AHEAD_PRIORITY``, so an
 engine always admits an earlier iteration's request first (order priorities are lengths)."""
+
+
+def shipped_policy(cfg: Config):
+    """On an existing (possibly multi-node) cluster: the policy checkpoint put in the object store
+    once, for actors to write on their own node (``controller.shipping``); on the local cluster
+    the driver starts: None (every actor reads ``policy.path``)."""
+    if not cfg.cluster.address:
+        return None
+    from streamrl.controller.shipping import package_policy
+    from streamrl.models.hf import resolve_policy_path
+
+    return ray.put(package_policy(resolve_policy_path(cfg.policy.path)))
 
 
 def staleness_metrics(iteration: int, completions: list[Completion]) -> dict[str, float]:
@@ -97,6 +109,10 @@ class Pipeline:
     def ranker_state(self) -> dict | None:
         return None
 
+    def locations(self) -> dict[str, dict[str, str]]:
+        """Where each worker runs now: ``{"trainer": {"node": "A0", "site": "A"}, "gen-0": ...}``."""
+        return {}
+
     def restore_ranker(self, state: dict | None) -> None:
         """Give a resumed run's ranker the stopped run's history."""
 
@@ -120,7 +136,14 @@ class ColocatedPipeline(Pipeline):
 
         self.cfg, self.ctx, self.plan = cfg, ctx, plan
         threads = cfg.cluster.num_cpus
-        self.worker = ColocatedWorker.options(num_cpus=threads, **cfg.cluster.actor_options()).remote(cfg.model_dump(), threads)
+        where = {}
+        if cfg.cluster.address:  # it writes run.out_dir (checkpoints): keep it on the driver's node
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                           soft=False)}
+        self.worker = ColocatedWorker.options(num_cpus=threads, **where, **cfg.cluster.actor_options()).remote(
+            cfg.model_dump(), threads)
         self.timeline = Timeline()
 
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
@@ -199,9 +222,14 @@ class DisaggPipeline(Pipeline):
             trainer_cpus = 0
         else:
             trainer_cpus = cfg.trainer.threads
-        self.trainer = TrainerActor.options(num_cpus=trainer_cpus, **cfg.cluster.actor_options()).remote(
-            cfg.model_dump(), cfg.trainer.threads, self.max_staleness)
-        self.sgs = StreamGenerationService(cfg, dispatch=cfg.generation.dispatch, plan=plan,
+        labels = {} if cfg.trainer.backend == "fsdp" else trainer_labels(cfg)  # FSDP ranks carry them in their bundles
+        policy = shipped_policy(cfg)
+        self.trainer = TrainerActor.options(num_cpus=trainer_cpus, resources=labels,
+                                            **cfg.cluster.actor_options()).remote(
+            cfg.model_dump(), cfg.trainer.threads, self.max_staleness, policy)
+        # A trainer on another node than the driver returns its checkpoints as files (controller.shipping).
+        self._ship = self._tget(self.trainer.node_id.remote(), "node_id") != ray.get_runtime_context().get_node_id()
+        self.sgs = StreamGenerationService(cfg, policy_path=policy, dispatch=cfg.generation.dispatch, plan=plan,
                                            fault_log=getattr(ctx, "fault_log", None))
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
         for _ in range(cfg.generation.num_instances):
@@ -457,7 +485,8 @@ class DisaggPipeline(Pipeline):
         for it in sorted(self.pending):
             self._result(it)
         while self._saves:
-            self._tget(self._saves.pop(0), "checkpoint")
+            ref, path, keep_as = self._saves.pop(0)
+            self._written(self._tget(ref, "checkpoint"), path, keep_as)
         if self.results:
             last = self.results[max(self.results)]
             if last.version > self.sgs.version:
@@ -484,18 +513,33 @@ class DisaggPipeline(Pipeline):
                 self._trainer_events = self.trainer.drain_events.remote()
         self.timeline.extend(evs)
 
+    def locations(self) -> dict[str, dict[str, str]]:
+        where = {"trainer": self._tget(self.trainer.location.remote(), "location"), **self.sgs.locations}
+        return {name: {"node": loc.node, "site": loc.site} for name, loc in where.items()}
+
     def trained_ids(self) -> list[str]:
         return self._tget(self.trainer.drain_trained_ids.remote(), "drain_trained_ids")
 
     def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
         self.finish()
-        self._tget(self.trainer.save.remote(path, extra, keep_as), "save")
+        self._written(self._tget(self.trainer.save.remote(path, extra, keep_as, self._ship), "save"), path, keep_as)
 
     def checkpoint(self, path: str, extra: dict, keep_as: str | None = None) -> None:
         """No drain: the trainer actor runs calls in order, so a ``save`` sent now runs right after
         the last ``add_groups`` of the iteration that just returned and before any group of the
         next one, while the instances go on generating; its errors surface at ``finish``."""
-        self._saves.append(self.trainer.save.remote(path, extra, keep_as))
+        self._saves.append((self.trainer.save.remote(path, extra, keep_as, self._ship), path, keep_as))
+
+    @staticmethod
+    def _written(files: dict | None, path: str, keep_as: str | None) -> None:
+        """Write a checkpoint a trainer on another node returned (``files``; None: it wrote it)."""
+        if files is None:
+            return
+        from streamrl.controller.shipping import unpack_dir
+
+        unpack_dir(files["checkpoint"], path)
+        if keep_as and files["keep"] is not None:
+            unpack_dir(files["keep"], keep_as)
 
     def lineage(self) -> list[str]:
         return self._tget(self.trainer.get_lineage.remote(), "lineage")
@@ -513,7 +557,12 @@ class DisaggPipeline(Pipeline):
         return partial == 0 and self._tget(self.trainer.version.remote(), "version") == iteration + 1
 
     def load(self, path: str) -> dict:
-        extra = self._tget(self.trainer.load.remote(path), "load")
+        if self._ship:
+            from streamrl.controller.shipping import pack_dir
+
+            extra = self._tget(self.trainer.load.remote(pack_dir(path)), "load")
+        else:
+            extra = self._tget(self.trainer.load.remote(path), "load")
         self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), self._tget(self.trainer.version.remote(), "version"))
         return extra
 

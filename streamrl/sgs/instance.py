@@ -45,8 +45,11 @@ class GenerationInstance:
         from streamrl.models.tiny import load_policy
         from streamrl.sgs.engines.base import make_engine
 
+        from streamrl.controller.shipping import materialize_policy
+
         cfg = config_from_dict(cfg_tree)
         self.name = name
+        policy_path = materialize_policy(policy_path)  # a package the driver shipped: written on this node
         if cfg.generation.engine == "vllm":  # vLLM loads the checkpoint directory itself
             from transformers import PreTrainedTokenizerFast
 

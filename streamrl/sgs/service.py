@@ -62,7 +62,7 @@ import ray
 
 from streamrl.config import Config
 from streamrl.errors import GenerationFailed, TrainerFailed
-from streamrl.placement import PlacementPlan, plan_placement
+from streamrl.placement import PlacementPlan, gen_labels, plan_placement
 from streamrl.policies.dispatch import make_dispatch_policy
 from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
 from streamrl.policies.order import make_order_policy
@@ -171,7 +171,7 @@ class StreamGenerationService:
         g = self.cfg.generation
         if self.cfg.placement.device != "cuda":
             cpus = g.cpus_per_instance if g.cpus_per_instance is not None else g.threads_per_instance
-            return {"num_cpus": cpus, "resources": dict(g.resources)}
+            return {"num_cpus": cpus, "resources": {**g.resources, **gen_labels(self.cfg, index)}}
         if self.plan is None:
             self.plan = plan_placement(self.cfg)
         planned = self.plan.generation

@@ -42,11 +42,14 @@ class StalenessError(RuntimeError):
 class IterationTrainer:
     """The actor's logic as a plain class (tests drive it without Ray)."""
 
-    def __init__(self, cfg_tree: dict, threads: int, max_staleness: int) -> None:
+    def __init__(self, cfg_tree: dict, threads: int, max_staleness: int, policy=None) -> None:
+        """``policy``: a ``controller.shipping.PolicyPackage`` when the driver ships the policy
+        (a run on a multi-node cluster), else None (``policy.path`` is read here)."""
         import os
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from streamrl.config import config_from_dict
+        from streamrl.controller.shipping import materialize_policy
         from streamrl.trainer.trainer import Trainer
 
         cfg = config_from_dict(cfg_tree)
@@ -55,9 +58,9 @@ class IterationTrainer:
         if cfg.trainer.backend == "fsdp":
             from streamrl.trainer.fsdp import FSDPTrainerGroup
 
-            self.trainer = FSDPTrainerGroup(cfg)
+            self.trainer = FSDPTrainerGroup(cfg, policy_path=policy)  # each rank materializes it on its node
         else:
-            self.trainer = Trainer(cfg)
+            self.trainer = Trainer(cfg, materialize_policy(policy) if policy is not None else None)
         self.max_staleness = max_staleness
         self.iteration = -1
         self._reset(-1, 0)
@@ -85,6 +88,12 @@ class IterationTrainer:
 
     def version(self) -> int:
         return self.trainer.version
+
+    def location(self):
+        """Where this actor runs (``weights.tree.Location``: node label and site)."""
+        from streamrl.weights.engine import here
+
+        return here()
 
     def add_groups(self, iteration: int, groups: list[list[Sample]], expected: int) -> TrainResult | None:
         from streamrl.trainer.trainer import dynamic_batches, group_tokens
@@ -163,23 +172,57 @@ class IterationTrainer:
     def parameters_vector(self):
         return self.trainer.parameters_vector()
 
-    def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+    def save(self, path: str, extra: dict, keep_as: str | None = None, ship: bool = False):
         """Write the checkpoint (with the lineage); ``keep_as``: also copy its policy there. Called
         as an actor method it runs between two ``add_groups`` calls, i.e. exactly after the last
-        iteration whose groups came before it, while generation goes on elsewhere."""
+        iteration whose groups came before it, while generation goes on elsewhere. ``ship``: the
+        driver is on another node; write to a local temporary and return the files
+        (``{"checkpoint": files, "keep": files | None}``) for the driver to write."""
+        import shutil
+        import tempfile
+
         t0 = time.time()
-        self.trainer.save_checkpoint(path, {**extra, "lineage": list(self.lineage)})
-        if keep_as:
-            import shutil
+        local = tempfile.mkdtemp(prefix="streamrl-ckpt-") if ship else None
+        target = f"{local}/checkpoint" if ship else path
+        out = None
+        try:
+            self.trainer.save_checkpoint(target, {**extra, "lineage": list(self.lineage)})
+            if ship:
+                from streamrl.controller.shipping import pack_dir
 
-            shutil.copytree(f"{path}/policy", keep_as, dirs_exist_ok=True)
+                out = {"checkpoint": pack_dir(target), "keep": pack_dir(f"{target}/policy") if keep_as else None}
+            elif keep_as:
+                shutil.copytree(f"{path}/policy", keep_as, dirs_exist_ok=True)
+        finally:
+            if local:
+                shutil.rmtree(local, ignore_errors=True)
         self.events.append(Event("trainer", "checkpoint", self.iteration, self.trainer.version, t0, time.time()))
+        return out
 
-    def load(self, path: str) -> dict:
-        extra = self.trainer.load_checkpoint(path)
+    def load(self, path) -> dict:
+        """Restore a checkpoint: a directory here, or its files shipped by the driver."""
+        import shutil
+        import tempfile
+
+        local = None
+        if isinstance(path, dict):
+            from streamrl.controller.shipping import unpack_dir
+
+            local = tempfile.mkdtemp(prefix="streamrl-ckpt-")
+            path = str(unpack_dir(path, f"{local}/checkpoint"))
+        try:
+            extra = self.trainer.load_checkpoint(path)
+        finally:
+            if local:
+                shutil.rmtree(local, ignore_errors=True)
         self.lineage = list(extra.pop("lineage", []))
         self._drained = len(self.lineage)
         return extra
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def get_lineage(self) -> list[str]:
         return list(self.lineage)

@@ -137,7 +137,9 @@ class FSDPRank:
         cfg = config_from_dict(self.cfg_tree)
         self.tcfg, self.temperature = cfg.trainer, cfg.generation.temperature
         torch.manual_seed(cfg.run.seed)
-        self.model, self.tokenizer = load_policy(self.policy_path or cfg.policy.path)
+        from streamrl.controller.shipping import materialize_policy
+
+        self.model, self.tokenizer = load_policy(materialize_policy(self.policy_path or cfg.policy.path))
         self.model.train()
         self.pad_id = self.tokenizer.pad_token_id
         if torch.cuda.is_available() and backend == "nccl":
