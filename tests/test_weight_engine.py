@@ -195,3 +195,18 @@ def test_instances_take_deltas_after_the_first_version_and_a_replacement_gets_a_
         assert {ray.get(a.version.remote()) for a in sgs.instances.values()} == {3}
     finally:
         sgs.shutdown()
+
+
+def test_tied_weights_are_sent_once_and_load_under_both_names():
+    from streamrl.weights.flat import unflatten
+
+    emb = torch.nn.Embedding(100, 16)
+    head = torch.nn.Linear(16, 100, bias=False)
+    head.weight = emb.weight  # tied, as a Qwen2 with tie_word_embeddings
+    sd = {"embed.weight": emb.weight, "head.weight": head.weight, "other": torch.ones(8)}
+    for wire in ("float32", "bfloat16"):
+        fw = flatten(to_wire(sd, wire), 0)
+        size = 2 if wire == "bfloat16" else 4
+        assert fw.nbytes < 100 * 16 * size + 128  # one copy of the table (plus alignment), not two
+        back = unflatten(fw)
+        assert torch.equal(back["embed.weight"], back["head.weight"]) and set(back) == set(sd)

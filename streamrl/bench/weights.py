@@ -245,3 +245,32 @@ def bench_weights(args) -> dict:
     finally:
         if own:
             C.down(name, cl.root)
+
+
+def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(a1, e) - max(a0, s)) for s, e in spans)
+
+
+def run_transfers(run_dir: str | Path) -> list[dict]:
+    """Per weight version of a finished run (its ``timeline.json``): bytes that crossed between
+    sites, the cross-site fetch, the time until every instance held it, the longest install
+    pause, and how much of the fetching overlapped the trainer's training steps."""
+    path = Path(run_dir) / "timeline.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no timeline.json in {str(run_dir)!r} (is it a finished run directory?)")
+    events = json.loads(path.read_text())["events"]
+    train = [(e["start"], e["end"]) for e in events if e["who"] == "trainer" and e["what"] == "train"]
+    rows = []
+    for v in sorted({e["version"] for e in events if e["what"] == "weight_fetch"}):
+        fetch = [e for e in events if e["what"] == "weight_fetch" and e["version"] == v]
+        load = [e for e in events if e["what"] == "weight_load" and e["version"] == v]
+        cross = [e for e in fetch if "->" in e["meta"]["link"]]
+        busy = sum(e["end"] - e["start"] for e in fetch)
+        rows.append({"version": v, "instances": len(fetch), "kinds": "/".join(sorted({e["meta"]["kind"] for e in fetch})),
+                     "cross_site_bytes": sum(e["meta"]["bytes"] for e in cross),
+                     "cross_site_fetch_s": max((e["end"] - e["start"] for e in cross), default=0.0),
+                     "all_instances_s": max(e["end"] for e in fetch + load) - min(e["start"] for e in fetch),
+                     "pause_s": max((e["end"] - e["start"] for e in load), default=0.0),
+                     "overlap_with_training": (sum(_overlap(e["start"], e["end"], train) for e in fetch) / busy)
+                     if busy else 0.0})
+    return rows

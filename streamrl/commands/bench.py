@@ -104,6 +104,8 @@ def register(sub) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--object-store-mb", type=int, default=1536, help="object store of each node (1536)")
     w.add_argument("--timeout-s", type=float, default=1800.0)
+    w.add_argument("--run", metavar="RUN_DIR", default=None, help="instead: the weight transfers of a finished run, "
+                   "per version (bytes across sites, fetch, pause, overlap with training), from its timeline")
     w.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # the run inside the head's namespace
     add_out_argument(w)
     w.set_defaults(handler="streamrl.commands.bench:run_weights")
@@ -113,6 +115,15 @@ def run_weights(args) -> int:
     from streamrl.bench.weights import METHODS
     from streamrl.metrics.report import print_table, write_json
 
+    if args.run:
+        from streamrl.bench.weights import run_transfers
+
+        rows = run_transfers(args.run)
+        print_table(f"weight transfers of {args.run}, per version", rows,
+                    ["version", "instances", "kinds", "cross_site_bytes", "cross_site_fetch_s", "all_instances_s",
+                     "pause_s", "overlap_with_training"])
+        write_json(args.out, {"run": args.run, "rows": rows})
+        return 0
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in args.methods if m not in METHODS]
     if bad:

@@ -59,8 +59,17 @@ def to_wire(state_dict: Mapping[str, torch.Tensor], wire_dtype: str) -> dict[str
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"weights.wire_dtype {wire_dtype!r}: choose one of {', '.join(WIRE_DTYPES)}")
     dtype = WIRE_DTYPES[wire_dtype]
-    return {k: (v.detach().to(dtype) if v.is_floating_point() and v.dtype != dtype else v.detach())
-            for k, v in state_dict.items()}
+    cast: dict[tuple, torch.Tensor] = {}  # one cast per storage: tied tensors stay one tensor
+    out = {}
+    for k, v in state_dict.items():
+        v = v.detach()
+        if v.is_floating_point() and v.dtype != dtype:
+            key = (v.device.type, v.data_ptr(), tuple(v.shape), tuple(v.stride()))
+            if key not in cast:
+                cast[key] = v.to(dtype)
+            v = cast[key]
+        out[k] = v
+    return out
 
 
 @dataclass(frozen=True)

@@ -125,17 +125,28 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def flatten(state_dict: Mapping[str, torch.Tensor], version: int, meta: dict | None = None) -> FlatWeights:
-    """Copy every tensor of ``state_dict`` into one new aligned ``uint8`` buffer."""
+    """Copy every tensor of ``state_dict`` into one new aligned ``uint8`` buffer. Tensors that
+    are one storage under two names (tied embeddings) are stored once: both specs point at the
+    same bytes, so the buffer, and every transfer of it, carries them once."""
     spec: list[TensorSpec] = []
     offset = 0
+    first: dict[tuple, int] = {}  # (storage address, shape, stride, dtype) -> offset of its first name
+    copies: list[tuple[TensorSpec, torch.Tensor]] = []
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        key = (t.device.type, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in first:
+            spec.append(TensorSpec(name, tuple(t.shape), _dtype_name(name, t), first[key], t.numel()))
+            continue
         ts = TensorSpec(name, tuple(t.shape), _dtype_name(name, t), offset, t.numel())
         spec.append(ts)
+        copies.append((ts, t))
+        if t.numel():
+            first[key] = offset
         offset = _align(offset + ts.nbytes)
     buffer = np.empty(offset, dtype=np.uint8)
-    for ts, t in zip(spec, state_dict.values()):
+    for ts, t in copies:
         if ts.numel:
             buffer[ts.offset : ts.offset + ts.nbytes] = _as_bytes(t)
     return FlatWeights(buffer, spec, int(version), dict(meta or {}))
