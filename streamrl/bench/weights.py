@@ -124,7 +124,8 @@ class WeightSink:
             for name, t in unflatten(fw).items():
                 self.params[name].copy_(t)
         out = {"name": self.name, "kind": rec.kind, "bytes": rec.bytes, "link": rec.link, "src": rec.src,
-               "fetch_start": rec.start, "fetch_s": rec.seconds, "load_s": time.perf_counter() - t1}
+               "fetch_start": rec.start, "fetch_s": rec.seconds, "apply_s": rec.apply_s,
+               "load_s": time.perf_counter() - t1}
         if relay:
             out["handle"] = self.receiver.relay(handle, fw)
         return out

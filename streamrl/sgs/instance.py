@@ -185,8 +185,8 @@ class GenerationInstance:
         t1 = time.time()
         self.engine.update_weights(unflatten(fw), version)
         t2 = time.time()
-        self.events.append(Event(self.name, "weight_fetch", -1, version, rec.start, rec.start + rec.seconds,
-                                 rec.as_meta()))
+        self.events.append(Event(self.name, "weight_fetch", -1, version, rec.start,
+                                 rec.start + rec.seconds + rec.apply_s, rec.as_meta()))
         self.events.append(Event(self.name, "weight_load", -1, version, t1, t2))
         out = {"fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": rec.bytes, "kind": rec.kind, "link": rec.link,
                "src": rec.src, "start": t0, "end": t2}

@@ -32,7 +32,7 @@ import torch
 
 from streamrl.weights.delta import Delta, apply_delta, checksum, make_delta
 from streamrl.weights.flat import FlatWeights, flatten
-from streamrl.weights.transfer import FETCH_WINDOW, WeightHandle, fetch_buffer
+from streamrl.weights.transfer import WeightHandle, fetch_buffer, fetch_window
 from streamrl.weights.tree import Location
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -82,15 +82,18 @@ class FetchRecord:
     bytes: int
     """Bytes fetched (the full buffer, or the delta's payload)."""
     seconds: float
+    """The network part: until the bytes were here."""
     src: str
     dst: str
     link: str
     """``"A->B"`` across sites, ``"A"`` inside site A, ``"local"`` when neither is labelled."""
     start: float
     """Wall clock (``time.time()``)."""
+    apply_s: float = 0.0
+    """Rebuilding the version from a delta and checking its checksum, after the fetch."""
 
     def as_meta(self) -> dict:
-        return {"bytes": self.bytes, "kind": self.kind, "src": self.src, "link": self.link}
+        return {"bytes": self.bytes, "kind": self.kind, "src": self.src, "link": self.link, "apply_s": self.apply_s}
 
 
 def link_name(src_site: str, dst_site: str) -> str:
@@ -114,12 +117,13 @@ def put_buckets_of(delta: Delta) -> list:
 
 
 def _fetch_delta(handle: WeightHandle) -> Delta:
-    """The delta's buckets, ``FETCH_WINDOW`` at a time (see ``transfer.fetch_buffer``)."""
+    """The delta's buckets, ``fetch_window`` at a time (see ``transfer.fetch_buffer``)."""
     import ray
 
     refs, buckets = handle.delta, []
-    for i in range(0, len(refs), FETCH_WINDOW):
-        buckets += ray.get(refs[i:i + FETCH_WINDOW])
+    window = fetch_window(handle.delta_nbytes, len(refs))
+    for i in range(0, len(refs), window):
+        buckets += ray.get(refs[i:i + window])
     return Delta(handle.base, handle.version, handle.nbytes, handle.checksum, tuple(buckets))
 
 
@@ -186,19 +190,21 @@ class WeightReceiver:
         self._last_delta = None
         if handle.delta is not None and held is not None and held.version == handle.base:
             delta = _fetch_delta(handle)
+            t1 = time.perf_counter()
             buf = apply_delta(held.buffer, delta, held.version)
             kind, nbytes = "delta", handle.delta_nbytes
             self._last_delta = delta
         else:
             buf = fetch_buffer(handle)
+            t1 = time.perf_counter()
             if handle.checksum is not None and checksum(buf) != handle.checksum:
                 raise ValueError(f"version {handle.version} from {handle.origin}: checksum mismatch on a full copy")
             kind, nbytes = "full", handle.nbytes
         fw = FlatWeights(buf, list(handle.spec), handle.version)
         if self.keep:
             self.held = fw
-        rec = FetchRecord(handle.version, kind, int(nbytes), time.perf_counter() - t0, handle.origin, self.name,
-                          link_name(handle.origin_site, self.location.site), wall)
+        rec = FetchRecord(handle.version, kind, int(nbytes), t1 - t0, handle.origin, self.name,
+                          link_name(handle.origin_site, self.location.site), wall, time.perf_counter() - t1)
         return fw, rec
 
     def relay(self, handle: WeightHandle, fw: FlatWeights) -> WeightHandle:

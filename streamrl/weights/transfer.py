@@ -133,13 +133,20 @@ class RayObjectStoreTransport(WeightTransport):
         return FlatWeights(fetch_buffer(handle), list(handle.spec), handle.version)
 
 
-FETCH_WINDOW = 4
-"""Buckets of one buffer fetched at a time (``fetch_buffer``)."""
+FETCH_WINDOW_BYTES = 64 << 20
+"""Bytes of bucket objects in flight at a time (``fetch_window``): four 16 MB buckets."""
+
+
+def fetch_window(total_bytes: int, buckets: int) -> int:
+    """How many of ``buckets`` objects (``total_bytes`` in all) to fetch at once: as many as fit
+    in ``FETCH_WINDOW_BYTES``, at least one."""
+    per = max(1, total_bytes // max(buckets, 1))
+    return max(1, FETCH_WINDOW_BYTES // per)
 
 
 def fetch_buffer(handle: WeightHandle) -> np.ndarray:
     """The full buffer behind a Ray handle: one object (zero-copy on its node), or a list of
-    bucket objects fetched ``FETCH_WINDOW`` at a time into one buffer. Why a window: Ray
+    bucket objects fetched ``fetch_window`` at a time into one buffer. Why a window: Ray
     re-requests an object that has not arrived within its pull timeout (10 s), so one large
     object, or many pulled at once, over a slow link crosses it several times (measured:
     3.6 copies of a 250 MB buffer per receiver at 200 Mbit/s); a few bucket-sized objects at a
@@ -152,8 +159,9 @@ def fetch_buffer(handle: WeightHandle) -> np.ndarray:
     else:
         buf = np.empty(handle.nbytes, dtype=np.uint8)
         at = 0
-        for i in range(0, len(payload), FETCH_WINDOW):
-            for part in ray.get(payload[i:i + FETCH_WINDOW]):
+        window = fetch_window(handle.nbytes, len(payload))
+        for i in range(0, len(payload), window):
+            for part in ray.get(payload[i:i + window]):
                 buf[at:at + part.nbytes] = part
                 at += part.nbytes
         if at != handle.nbytes:
