@@ -30,6 +30,7 @@ import time
 
 import ray
 
+from streamrl.memory import release_free_memory
 from streamrl.types import Event, Partial, Progress
 
 
@@ -185,6 +186,7 @@ class GenerationInstance:
         t1 = time.time()
         self.engine.update_weights(unflatten(fw), version)
         t2 = time.time()
+        release_free_memory()  # once per version, the engine running again (streamrl.memory)
         self.events.append(Event(self.name, "weight_fetch", -1, version, rec.start,
                                  rec.start + rec.seconds + rec.apply_s, rec.as_meta()))
         self.events.append(Event(self.name, "weight_load", -1, version, t1, t2))

@@ -32,6 +32,7 @@ import time
 
 import ray
 
+from streamrl.memory import release_free_memory
 from streamrl.types import Event, Sample, TrainResult
 
 
@@ -134,6 +135,7 @@ class IterationTrainer:
             for batch in self.batches:
                 self._step(batch, record=False)
         self.trainer.finish_iteration()
+        release_free_memory()  # this iteration's tensors are gone: give their pages back (streamrl.memory)
         handle = self.publish()
         self.metrics.update({"time/train_s": self.train_s, "time/prepare_s": self.prepare_s,
                              "train/tokens_per_s": self.tokens / max(self.train_s, 1e-9),
