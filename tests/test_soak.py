@@ -27,3 +27,15 @@ def test_soak_table_fits_the_loop_second_half_and_leaves_the_report_peak_out():
     assert drv["rss_mb_per_block"] == pytest.approx({0: 500.45, 100: 501.45, 200: 502.45, 300: 503.45})
     assert by["inst"]["rss_mb_last"] == 600.0 and by["inst"]["rss_mb_per_100_iter"] == pytest.approx(0.0)
     assert math.isnan(by["inst"]["rss_mb_after_loop"]) and by["inst"]["open_files_last"] == 10
+
+
+def test_the_floor_of_each_block_ignores_step_peaks_and_follows_what_stays():
+    samples = []
+    for k in range(40):
+        it = 10 * k
+        peak = 30.0 if k % 3 == 0 else 0.0  # a sample that lands inside a step sees its tensors
+        samples.append({"t": float(k), "iteration": it, "role": "trainer", "rss_mb": 500.0 + it / 200 + peak,
+                        "open_files": 9})
+    row = role_table(samples, iterations=400)[0]
+    assert row["rss_mb_floor_per_block"] == pytest.approx({0: 500.05, 100: 500.5, 200: 501.0, 300: 501.55})
+    assert row["rss_mb_floor_per_100_iter"] == pytest.approx(0.5, abs=0.03)  # the real creep, without the peaks

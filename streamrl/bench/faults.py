@@ -338,9 +338,11 @@ def slope_per_100(xs: list[float], ys: list[float]) -> float:
 
 def role_table(samples: list[dict[str, Any]], iterations: int) -> list[dict[str, Any]]:
     """Per role (several processes may share one): RSS and open files at the first sample and the
-    last one of the loop, their slopes per 100 iterations over the loop's second half, the mean RSS
-    of each block of 100 iterations, and the peak after the loop (samples whose ``iteration`` is
-    ``iterations``: the end-of-run report)."""
+    last one of the loop, their slopes per 100 iterations over the loop's second half, the mean and
+    the lowest RSS of each block of 100 iterations, the slope of those floors after the first block
+    (a sample may land at a step's peak or between steps: the mean moves by the size of a step's
+    tensors, the floor only by what stays), and the peak after the loop (samples whose
+    ``iteration`` is ``iterations``: the end-of-run report)."""
     half = iterations // 2
     by_role: dict[str, list[dict]] = {}
     for s in samples:
@@ -365,6 +367,9 @@ def role_table(samples: list[dict[str, Any]], iterations: int) -> list[dict[str,
         table.append({"role": role, "processes": last["n"], "rss_mb_first": first["rss_mb"],
                       "rss_mb_last": last["rss_mb"], "rss_mb_after_loop": max(after, default=float("nan")),
                       "rss_mb_per_block": {100 * b: sum(v) / len(v) for b, v in sorted(blocks.items())},
+                      "rss_mb_floor_per_block": {100 * b: min(v) for b, v in sorted(blocks.items())},
+                      "rss_mb_floor_per_100_iter": slope_per_100(
+                          [100 * b for b in sorted(blocks) if b >= 1], [min(blocks[b]) for b in sorted(blocks) if b >= 1]),
                       "rss_mb_per_100_iter": slope_per_100(
                           [p["iteration"] for p in pts], [p["rss_mb"] for p in pts]),
                       "open_files_last": last["open_files"], "open_files_per_100_iter": slope_per_100(

@@ -305,13 +305,14 @@ def run_soak(args) -> int:
     result = bench_soak([args.config, *overrides], Path(args.out_dir), args.sample_s)
     print_table(f"bench soak: {result['iterations']} stream-async iterations in {result['wall_s']:.0f}s; slopes "
                 "over the second half", result["processes"],
-                ["role", "processes", "rss_mb_first", "rss_mb_last", "rss_mb_per_100_iter", "rss_mb_after_loop",
-                 "open_files_last", "open_files_per_100_iter"])
+                ["role", "processes", "rss_mb_first", "rss_mb_last", "rss_mb_per_100_iter", "rss_mb_floor_per_100_iter",
+                 "rss_mb_after_loop", "open_files_last", "open_files_per_100_iter"])
     blocks = sorted({b for r in result["processes"] for b in r["rss_mb_per_block"]}, key=int)
     shown = blocks[::max(1, -(-len(blocks) // 10))]  # at most 10 columns
-    print_table("resident memory, mean over each block of 100 iterations (MB)",
-                [{"role": r["role"], **{f"it. {b}": r["rss_mb_per_block"].get(b, "") for b in shown}}
-                 for r in result["processes"]], ["role", *[f"it. {b}" for b in shown]])
+    for key, what in (("rss_mb_per_block", "mean"), ("rss_mb_floor_per_block", "lowest sample")):
+        print_table(f"resident memory, {what} of each block of 100 iterations (MB)",
+                    [{"role": r["role"], **{f"it. {b}": r[key].get(b, "") for b in shown}}
+                     for r in result["processes"]], ["role", *[f"it. {b}" for b in shown]])
     print(f"object store: {result['object_store_mb_first']:.1f} MB at the first iteration, "
           f"{result['object_store_mb_last']:.1f} MB at the last ({result['object_store_objects_last']} objects), "
           f"{result['object_store_mb_per_100_iter']:+.2f} MB per 100 iterations; /dev/shm files "
