@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--instance-devices", type=int, default=1, help="with --profile: devices per generation instance")
     p.add_argument("--png", help="plot the predicted stage times over every candidate split to this PNG")
     p.add_argument("--all", action="store_true", help="print every candidate split (default: at most ~24 rows)")
+    from streamrl.commands.sim import add_tp_argument
+
+    add_tp_argument(p)
     p.add_argument("--placement-out", metavar="FILE", help="write the chosen split (or, with --cluster, which node "
                    "runs the trainer and each generation instance) as config sections for `streamrl train --plan FILE`")
     p.add_argument("--cluster", metavar="NAME", help="place a run on this labelled cluster (`streamrl cluster up`) "
@@ -40,6 +43,9 @@ def register(subparsers) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     if args.cluster:
         return _plan_on_cluster(args)
+    from streamrl.commands.sim import apply_tp
+
+    apply_tp(args)
     from streamrl.sim.estimators import ProfileEstimator, SimEstimator
     from streamrl.metrics.report import print_table, write_json
     from streamrl.planner.plan import plan_cross_dc, plan_single_dc, plot_sweep

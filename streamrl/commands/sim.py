@@ -14,7 +14,25 @@ from streamrl.metrics.report import add_out_argument, print_table, write_json
 def _common(p: argparse.ArgumentParser, iterations: int = 4) -> None:
     p.add_argument("--iterations", type=int, default=iterations, help="RL iterations to simulate")
     p.add_argument("--seed", type=int, default=0)
+    add_tp_argument(p)
     add_out_argument(p)
+
+
+def add_tp_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", default=None, metavar="POLICY|MODEL=TP,...",
+                   help="generation instances' tensor parallelism: min-fit (default: the smallest degree that "
+                        "fits), search (the fastest, per device count), or fixed per model, e.g. 7b=1,32b=4,72b=8")
+
+
+def apply_tp(args: argparse.Namespace) -> None:
+    """Set the simulator's TP policy from ``--tp`` (a bad entry is a user error)."""
+    from streamrl.errors import UserError
+    from streamrl.sim import estimators
+
+    try:
+        estimators.set_tp(getattr(args, "tp", None))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def register(subparsers) -> None:
@@ -88,6 +106,8 @@ def _split(arg: str | None, cast=str) -> tuple | None:
 def run_e2e(args: argparse.Namespace) -> int:
     from streamrl.sim import experiments as E
 
+    apply_tp(args)
+
     setups = E.E2E_SETUPS
     if args.models:
         keep = set(_split(args.models))
@@ -105,6 +125,8 @@ def run_e2e(args: argparse.Namespace) -> int:
 def run_ablation(args: argparse.Namespace) -> int:
     from streamrl.sim import experiments as E
 
+    apply_tp(args)
+
     with _progress(4) as step:
         rows = E.ablation(args.model, args.gpus, args.max_len, iterations=args.iterations, seed=args.seed, progress=step)
     cols = ["step", "system", "samples_per_s", "normalized", "gen_gpus", "train_gpus", "tp", "t_gen_s", "t_train_s", "limit"]
@@ -115,6 +137,8 @@ def run_ablation(args: argparse.Namespace) -> int:
 
 def run_hetero(args: argparse.Namespace) -> int:
     from streamrl.sim import experiments as E
+
+    apply_tp(args)
 
     lens = _split(args.max_lens, int) or E.MAX_LENS
     with _progress(2 * len(lens)) as step:
@@ -127,6 +151,8 @@ def run_hetero(args: argparse.Namespace) -> int:
 
 def run_elastic(args: argparse.Namespace) -> int:
     from streamrl.sim import experiments as E
+
+    apply_tp(args)
 
     with _progress(args.iterations) as step:
         res = E.elastic(args.model, args.gpus, args.start_len, args.end_len, args.iterations, seed=args.seed, progress=step)

@@ -27,6 +27,45 @@ from streamrl.sim.systems import Deployment, SystemSpec, generate, get_system, s
 from streamrl.sim.workload import Batch, Workload
 
 TP_CHOICES = (1, 2, 4, 8)
+TP_POLICIES = ("min-fit", "search")
+TP_POLICY = "min-fit"
+"""How generation instances pick their tensor-parallel degree when ``TP_FIXED`` does not name
+the model: ``min-fit``, the smallest degree of ``TP_CHOICES`` that fits the weights with room for
+32K tokens of KV cache (the most data-parallel instances: how throughput-oriented rollouts are
+deployed), or ``search``, the degree with the shortest simulated generation per device count
+(Algorithm 1's "best parallel configuration" under the roofline). ``min-fit`` is the default:
+``search`` picks TP 8 even for 7B, whose tail it shortens in the roofline, and then disagrees
+with PAPER.md §1's generation scaling (docs/simulator.md, "Tensor parallelism")."""
+TP_FIXED: dict[str, int] = {}
+"""Model name -> the one degree its instances use (``--tp 7b=2,...``), over ``TP_POLICY``."""
+
+
+def parse_tp(text: str | None) -> tuple[str, dict[str, int]]:
+    """``--tp``: a policy (``min-fit`` | ``search``), model degrees (``7b=1,32b=4,72b=8``, sizes
+    or full model names), or both (``search,72b=4``) -> ``(policy, {model name: tp})``."""
+    from streamrl.sim.models import MODELS
+
+    out: dict[str, int] = {}
+    policy = "min-fit"
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        if part in TP_POLICIES:
+            policy = part
+            continue
+        name, _, value = part.partition("=")
+        full = [m for m in MODELS if m == name.lower() or m.endswith("-" + name.lower())]
+        if len(full) != 1 or not value.isdigit() or int(value) not in TP_CHOICES:
+            raise ValueError(f"--tp entry {part!r}: expected {' or '.join(TP_POLICIES)}, or MODEL=TP with MODEL one "
+                             f"of {sorted(MODELS)} (or its size, e.g. 7b) and TP one of {TP_CHOICES}")
+        out[full[0]] = int(value)
+    return policy, out
+
+
+def set_tp(text: str | None) -> None:
+    """Apply ``--tp`` (``parse_tp``) to this process's simulator."""
+    global TP_POLICY
+    TP_POLICY, fixed = parse_tp(text)
+    TP_FIXED.clear()
+    TP_FIXED.update(fixed)
 
 
 @dataclass
@@ -47,10 +86,11 @@ class SimEstimator:
 
     @property
     def tp_choices(self) -> list[int]:
-        ok = [tp for tp in TP_CHOICES if C.RooflineDecode(self.gen_gpu, self.model, tp).fits]
+        fixed = TP_FIXED.get(self.model.name)
+        ok = [tp for tp in ((fixed,) if fixed else TP_CHOICES) if C.RooflineDecode(self.gen_gpu, self.model, tp).fits]
         if not ok:
-            raise ValueError(f"{self.model.name} does not fit on {max(TP_CHOICES)} x {self.gen_gpu.name}")
-        return ok
+            raise ValueError(f"{self.model.name} does not fit on {fixed or max(TP_CHOICES)} x {self.gen_gpu.name}")
+        return ok if TP_POLICY == "search" else ok[:1]
 
     @property
     def gen_unit(self) -> int:
