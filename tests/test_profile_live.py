@@ -125,3 +125,34 @@ def test_colocated_uses_the_bench_thread_scaling_without_2_thread_numbers():
                                       "train_tokens_per_s": 1e6}}
     res = live.simulate_tiny_modes(prof2, thread_scaling=scaling, **kw)
     assert "profile 'colocated'" in res["assumptions"]["colocated_source"]
+
+
+@pytest.mark.slow
+def test_profile_times_each_stage_under_the_other_and_leaves_no_load_process(tiny_policy_dir, tmp_path):
+    import subprocess
+
+    out = tmp_path / "prof.json"
+    assert main(["profile", "configs/bench.yaml", f"policy.path={tiny_policy_dir}", *SMALL, "--batch-sizes", "2,4",
+                 "--new-tokens", "4", "--train-steps", "1", "--colocated-threads", "0", "--out", str(out)]) == 0
+    ov = json.loads(out.read_text())["overlap"]
+    assert ov["train_slowdown"] > 0 and ov["decode_slowdown"] > 0
+    assert sorted(int(b) for b in ov["decode_slowdown_per_batch"]) == [2, 4]
+    assert ov["train_under_decode"]["train_step_s"] > 0
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert "streamrl.profiling.overlap" not in ps  # both load processes were stopped
+
+
+def test_simulate_modes_slows_only_the_overlapping_modes_by_the_profiled_interference():
+    from streamrl.sim.live import simulate_tiny_modes
+
+    prof = {"points": [{"batch_size": 1, "ms_per_token": 2.0}, {"batch_size": 64, "ms_per_token": 4.0}],
+            "train_tokens_per_s": 2000.0, "threads": 1, "prompt_len_mean": 20.0, "new_tokens": 32}
+    kw = dict(prompts_per_iter=8, n_samples=4, max_new_tokens=48, lengths=[10, 20, 40], iterations=3)
+    calm = {r["mode"]: r for r in simulate_tiny_modes(prof, **kw)["rows"]}
+    busy = {r["mode"]: r for r in simulate_tiny_modes({**prof, "overlap": {"decode_slowdown": 1.5,
+                                                                            "train_slowdown": 1.3}}, **kw)["rows"]}
+    for mode in ("colocated", "disagg-batch"):
+        assert busy[mode]["sim_samples_per_s"] == pytest.approx(calm[mode]["sim_samples_per_s"])
+    for mode in ("stream-sync", "stream-async"):
+        assert busy[mode]["sim_samples_per_s"] < 0.9 * calm[mode]["sim_samples_per_s"]
+        assert busy[mode]["sim_gen_s"] > calm[mode]["sim_gen_s"]

@@ -17,6 +17,8 @@ def register(sub) -> None:
     p.add_argument("--train-steps", type=int, default=3, help="timed trainer steps after one warm-up (default 3)")
     p.add_argument("--colocated-threads", type=int, default=None,
                    help="also measure at this many threads for colocated mode (default cluster.num_cpus; 0 = skip)")
+    p.add_argument("--no-overlap", action="store_true", help="skip timing each stage while the other runs in "
+                   "another process (the overlap slowdowns `simulate modes` applies to the stream modes)")
     p.add_argument("--out", metavar="FILE.json", default=None, help="profile path (default profiles/cpu-<model>.json)")
     p.set_defaults(handler="streamrl.commands.profile:run_profile")
 
@@ -44,7 +46,7 @@ def run_profile(args) -> int:
         return 2
     try:
         prof = measure_profile(cfg, sizes, args.new_tokens, args.train_steps, args.colocated_threads,
-                               repeats=getattr(args, "repeats", REPEATS))
+                               repeats=getattr(args, "repeats", REPEATS), overlap=not args.no_overlap)
     except PolicyMissing as exc:
         print(f"streamrl profile: {exc}", file=sys.stderr)
         return 2
@@ -88,6 +90,10 @@ def run_profile(args) -> int:
     if colo:
         line += f", {colo['prefill']['s_per_request'] * 1e3:.2f} ms at {colo['threads']} threads"
     print(line + f" (one-token runs, {pf['prompt_len']:.0f}-token prompts; median of {prof['repeats']})")
+    ov = prof.get("overlap")
+    if ov:
+        print(f"overlap: the trainer takes {ov['train_slowdown']:.2f}x as long while an instance decodes in another "
+              f"process, decoding {ov['decode_slowdown']:.2f}x (median over batch sizes) while a trainer trains")
     kv = prof["kv"]
     line = (f"context cost: {prof['kv_ms_per_token'] * 1e3:.2f} us per running context token per step (batch "
             f"{kv['batch_size']}: {kv['ms_per_token_short']:.2f} ms/step, {kv['ms_per_token_long']:.2f} with "

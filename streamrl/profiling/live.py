@@ -16,6 +16,9 @@ What is measured, all on the configured policy and with real tokens (nothing is 
   units (a sample for PPO, a group for GRPO), fitted as ``prepare_s_per_pass * passes +
   prepare_s_per_padded_token * padded tokens`` (``fit_prepare_calls``); ``sim.cost.ProfiledTrain``
   charges calls in that form. Also the combined ``train_tokens_per_s``.
+* **Overlap slowdowns** (``profiling.overlap``): the trainer timed while an instance decodes in
+  another process, and decode latency while a trainer trains, against the solo numbers, under
+  ``"overlap"`` (``train_slowdown``, ``decode_slowdown``).
 * **Colocated numbers** (``colocated_threads``, default ``cluster.num_cpus``; 0 skips): the above
   again in the colocated worker's process layout (``measure_colocated``: an engine alive beside
   the trainer changes libgomp's spinning), under ``"colocated"``.
@@ -362,7 +365,7 @@ def measure_train(cfg: Config, samples: list, threads: int, steps: int = 3, repe
 
 def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, new_tokens: int = 32,
                     train_steps: int = 3, colocated_threads: int | None = None,
-                    echo: Callable[[str], Any] = print, repeats: int = REPEATS) -> dict[str, Any]:
+                    echo: Callable[[str], Any] = print, repeats: int = REPEATS, overlap: bool = True) -> dict[str, Any]:
     """Measure and return the profile dict (see module docstring). Raises ``PolicyMissing``."""
     import torch
 
@@ -397,6 +400,13 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
         samples, gen_s = generate_samples(cfg, model, tok, task, g_threads)
         echo(f"profile: trainer ({cfg.trainer.algo}) at {t_threads} thread(s), 1 warm-up + {train_steps} timed steps")
         train = measure_train(cfg, samples, t_threads, train_steps, repeats)
+        overlapped = None
+        if overlap:
+            from streamrl.profiling.overlap import measure_overlap
+
+            echo("profile: each stage again while the other runs in another process (overlap slowdowns)")
+            overlapped = measure_overlap(cfg, model, tok, samples, points, train, batch_sizes, round(prompt_len_mean),
+                                         new_tokens, repeats)
         colocated = None
         if c_threads and not (c_threads == g_threads and c_threads == t_threads):
             echo(f"profile: colocated numbers at {c_threads} threads (engine and trainer alive in one process)")
@@ -434,4 +444,6 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     }
     if colocated:
         prof["colocated"] = colocated
+    if overlapped:
+        prof["overlap"] = overlapped
     return prof

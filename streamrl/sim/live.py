@@ -28,6 +28,11 @@ Assumptions of the simulated tiny setup (each printed by the command):
   worker's process layout: ``profiling.live.measure_colocated``) when it has them, else the
   1-thread numbers scaled by the bench JSON's ``thread_scaling`` rows, else the 1-thread numbers.
   The switch between the stages (``WEIGHT_INSTALL_S``) is charged once per iteration.
+- **Overlap**: in stream-sync and stream-async an instance decodes while the trainer trains. The
+  profile's ``"overlap"`` slowdowns (each stage timed while the other runs in another process,
+  ``profiling.overlap``) scale their decode and trainer costs for the whole iteration, an upper
+  bound of the interference (an iteration's ends run alone). Without them the stages are
+  assumed not to slow each other down. disagg-batch and colocated run one stage at a time.
 - **Weights**: disaggregated pushes are charged for the tiny model's bytes on the simulator's
   links; Ray object-store hops and actor RPCs are not modelled.
 - **Timing window**: like the bench, ``iterations`` iterations from an idle pipeline.
@@ -248,11 +253,21 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
     ctx = ptl_context(profile)
     deps = {"disagg": _deployment(shape, latency, train, num_instances, max_batch, prefill, profiled_context=ctx),
             "colocated": _deployment(shape, colo_lat, colo_train, 1, max_batch, colo_prefill, WEIGHT_INSTALL_S, ctx)}
+    ov = profile.get("overlap") or {}
+    gen_x, train_x = float(ov.get("decode_slowdown", 1.0)), float(ov.get("train_slowdown", 1.0))
+    busy_lat = LatencyModel(tuple((b, ms * gen_x) for b, ms in latency.points), "overlapped", latency.model, "cpu",
+                            {"kv_ms_per_token": latency.kv_ms_per_token * gen_x})
+    busy_train = replace(train, tokens_per_s=train.tokens_per_s / train_x, prepare_pass_s=train.prepare_pass_s * train_x,
+                         prepare_token_s=train.prepare_token_s * train_x)
+    deps["overlapped"] = _deployment(shape, busy_lat, busy_train, num_instances, max_batch, prefill / gen_x,
+                                     profiled_context=ctx)
     rows = []
     min_tokens = step_tokens if step_tokens > 0 else 1e15  # the live trainer steps every step_tokens (none: once)
     for mode in modes:
         spec = replace(S.get_system(mode), dispatch=dispatch, order="fifo")
-        dep = deps["colocated" if spec.colocated else "disagg"]
+        # The stream modes run both stages at once for most of an iteration: each at its overlapped
+        # speed throughout (an upper bound of the interference: the ends of an iteration run alone).
+        dep = deps["colocated" if spec.colocated else ("overlapped" if spec.pipeline != "batch" else "disagg")]
         res = S.run_system(spec, dep, wl, iterations=iterations, seed=seed, warmup=0, min_tokens_per_gpu=min_tokens)
         sps = res.samples_per_s
         rows.append({"mode": mode, "sim_samples_per_s": sps, "sim_step_s": wl.num_prompts / sps,
@@ -272,6 +287,8 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
         "iterations": iterations, "weight_push_s": S.push_s(deps["disagg"]),
         "kv_ms_per_token": latency.kv_ms_per_token, "colocated_kv_ms_per_token": colo_lat.kv_ms_per_token,
         "ptl_context": ctx,
+        "overlap": ({"decode_slowdown": gen_x, "train_slowdown": train_x, "applied_to": "stream-sync, stream-async"}
+                    if ov else "not in the profile: stages assumed not to slow each other down"),
         "prefill_s_per_request": p_len / prefill if math.isfinite(prefill) else 0.0,
         "colocated_prefill_s_per_request": p_len / colo_prefill if math.isfinite(colo_prefill) else 0.0,
     }
