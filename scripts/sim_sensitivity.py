@@ -27,6 +27,9 @@ RANGES = {
     "KAPPA": (cost, 0.3, 0.8),
     "TRAIN_MEM_FRACTION": (cost, 0.6, 0.8),
     "CPU_OFFLOAD_BYTES_PER_S": (cost, 12e9, 50e9),
+    "ETA_PREFILL": (cost, 0.4, 0.8),
+    "ALLREDUCE_LATENCY": (cost, 5e-6, 30e-6),
+    "KV_MEM_FRACTION": (cost, 0.7, 0.95),
 }
 SYSTEMS = ("colocated", "stream-sync", "stream-async")
 
