@@ -129,6 +129,11 @@ def hetero(model: str = "qwen2.5-7b", max_lens=MAX_LENS, system: str = "stream-a
         cost = plan["gen_gpus"] / GPUS_PER_NODE * h20.cost_per_node + plan["train_gpus"] / GPUS_PER_NODE * h800.cost_per_node
         info = {"gen": f"{plan['gen_gpus']}xH20", "train": f"{plan['train_gpus']}xH800", "tp": plan["gen_tp"]}
         rows.append({"setup": "cross-dc", **_row(spec, dep, info, wl, iterations, seed, model=model, max_len=max_len), "cost": cost})
+        progress(f"hetero {max_len}: cross-dc as deployed")
+        full = Deployment(m, h20, 32, plan["gen_tp"], h800, 16, CROSS_DC_LINK)
+        info_full = {"gen": "32xH20", "train": "16xH800", "tp": plan["gen_tp"]}
+        rows.append({"setup": "cross-dc-all", **_row(spec, full, info_full, wl, iterations, seed, model=model, max_len=max_len),
+                     "cost": 32 / GPUS_PER_NODE * h20.cost_per_node + 16 / GPUS_PER_NODE * h800.cost_per_node})
         progress(f"hetero {max_len}: single-dc")
         dep1, info1 = deployment_for(spec, model, "H800", 32, wl)
         info1 = {"gen": f"{info1['gen_gpus']}xH800", "train": f"{info1['train_gpus']}xH800", "tp": info1["tp"]}
@@ -136,6 +141,9 @@ def hetero(model: str = "qwen2.5-7b", max_lens=MAX_LENS, system: str = "stream-a
                      "cost": 32 / GPUS_PER_NODE * h800.cost_per_node})
     for r in rows:
         r["samples_per_s_per_cost"] = r["samples_per_s"] / r["cost"]
+    single = {r["max_len"]: r["samples_per_s_per_cost"] for r in rows if r["setup"] == "single-dc"}
+    for r in rows:
+        r["gain"] = r["samples_per_s_per_cost"] / single[r["max_len"]]
     return rows
 
 

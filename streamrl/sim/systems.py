@@ -336,9 +336,12 @@ def push_s(dep: Deployment) -> float:
 
 def run_system(
     spec: SystemSpec, dep: Deployment, workload: Workload, iterations: int = 4, seed: int = 0,
-    length_scales: list[float] | None = None, warmup: int = 1, min_tokens_per_gpu: float = MIN_TOKENS_PER_GPU,
+    length_scales: list[float] | None = None, warmup: int = 1, min_tokens_per_gpu: float | None = None,
 ) -> RunResult:
-    """Simulate ``iterations`` RL steps; the first ``warmup`` are excluded from throughput."""
+    """Simulate ``iterations`` RL steps; the first ``warmup`` are excluded from throughput.
+    ``min_tokens_per_gpu``: the stream-sync dynamic batch threshold (None: ``MIN_TOKENS_PER_GPU``)."""
+    if min_tokens_per_gpu is None:
+        min_tokens_per_gpu = MIN_TOKENS_PER_GPU
     if spec.partial:
         return run_partial(spec, dep, workload, iterations, seed, length_scales, warmup, min_tokens_per_gpu)
     rng = np.random.default_rng(seed)
@@ -406,7 +409,7 @@ def _train_chain(spec: SystemSpec, dep: Deployment, batches: list[Batch], finish
 
 def run_partial(spec: SystemSpec, dep: Deployment, workload: Workload, iterations: int = 4, seed: int = 0,
                 length_scales: list[float] | None = None, warmup: int = 1,
-                min_tokens_per_gpu: float = MIN_TOKENS_PER_GPU, max_rounds: int = 200) -> RunResult:
+                min_tokens_per_gpu: float | None = None, max_rounds: int = 200) -> RunResult:
     """Stream-async with partial rollout and staleness bound k, as the live pipeline runs it
     (``controller/pipelines.py``, ``_stream``): iteration i's requests are admitted during
     iteration i-1's generation, once fewer of i-1's requests are unfinished than the instances
@@ -417,6 +420,8 @@ def run_partial(spec: SystemSpec, dep: Deployment, workload: Workload, iteration
     The version gate depends on training, and training on the finish times the admissions
     produce: the gates are found by fixed-point iteration, each round only moving a gate later,
     until every admission satisfies the bound against the simulation it produced."""
+    if min_tokens_per_gpu is None:
+        min_tokens_per_gpu = MIN_TOKENS_PER_GPU
     rng = np.random.default_rng(seed)
     history = workload.sample(np.random.default_rng(seed + 10_000)).out_lens
     scales = length_scales or [1.0] * iterations
