@@ -9,8 +9,8 @@ contributes at paper scale, so a reader can check it against what they know of t
   and prefill's share of the instance time;
 - training: PAPER.md §1's 7B device scaling against the model with and without the memory-pressure
   term, and 72B's training time on the device counts the planner weighs;
-- colocated: what one colocated switch costs (resharding, state offload and reload) against the
-  iteration;
+- colocated: what the switches of one colocated iteration cost (resharding, state offload and
+  reload) against the iteration;
 - verl: the verl row taken apart, one setting at a time, from our colocated system.
 """
 
@@ -107,7 +107,7 @@ def colocated() -> list[dict]:
             offload = 2 * dep.train_cost(spec).offload_s()
             it = 1024 / res.samples_per_s
             rows.append({"model": model, "max_len": max_len, "reshard_s": reshard, "offload_reload_s": offload,
-                         "iteration_s": it, "switch_share": 2 * (reshard + offload) / it})
+                         "iteration_s": it, "switch_share": (reshard + offload) / it})
     return rows
 
 

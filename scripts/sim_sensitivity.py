@@ -59,8 +59,8 @@ def apply(name: str, value: float) -> None:
         raise SystemExit(f"sim_sensitivity: unknown input {name!r}")
 
 
-def run(settings: dict[str, float], parts: tuple[str, ...] = ("e2e", "ablation", "hetero")) -> dict:
-    for name, value in settings.items():
+def run(settings: dict[str, float] | None = None, parts: tuple[str, ...] = ("e2e", "ablation", "hetero")) -> dict:
+    for name, value in (settings or {}).items():
         apply(name, value)
     out: dict = {}
     if "e2e" in parts:

@@ -47,8 +47,8 @@ def audit(policy: str) -> dict:
                                   "t_train_s": row["t_train_s"]}
     out["ablation"] = [r["normalized"] for r in E.ablation()]
     rows = E.hetero()
-    per_cost = {(r["setup"], r["max_len"]): r["samples_per_s_per_cost"] for r in rows}
-    out["hetero"] = {ml: round(per_cost[("cross-dc", ml)] / per_cost[("single-dc", ml)], 3) for ml in E.MAX_LENS}
+    out["hetero"] = {r["max_len"]: round(r["gain"], 3) for r in rows if r["setup"] == "cross-dc-all"}
+    out["hetero_shrunk"] = {r["max_len"]: round(r["gain"], 3) for r in rows if r["setup"] == "cross-dc"}
     out["gen_scaling_7b"] = {ml: gen_scaling(ml) for ml in (5000, 10000, 20000)}
     return out
 
