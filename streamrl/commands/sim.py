@@ -141,9 +141,9 @@ def run_hetero(args: argparse.Namespace) -> int:
     apply_tp(args)
 
     lens = _split(args.max_lens, int) or E.MAX_LENS
-    with _progress(2 * len(lens)) as step:
+    with _progress(3 * len(lens)) as step:
         rows = E.hetero(args.model, lens, args.system, iterations=args.iterations, seed=args.seed, progress=step)
-    cols = ["setup", "max_len", "gen", "train", "tp", "samples_per_s", "cost", "samples_per_s_per_cost", "t_gen_s", "t_train_s", "limit"]
+    cols = ["setup", "max_len", "gen", "train", "tp", "samples_per_s", "cost", "samples_per_s_per_cost", "gain", "t_gen_s", "t_train_s", "limit"]
     print_table("simulate hetero: 32xH20 + 16xH800 across sites (80 Gbps) vs 32xH800", rows, cols)
     write_json(args.out, {"rows": rows})
     return 0
