@@ -87,26 +87,26 @@ PIN_AMOUNT = 0.001
 restrict where Ray may place it, too little to limit how many actors share the node."""
 
 
+def _pin(node: str | None, site: str | None) -> dict[str, float]:
+    """The label resource that pins an actor to ``node``, else to ``site``, else nothing."""
+    if node:
+        return {f"node_{node}": PIN_AMOUNT}
+    if site:
+        return {f"site_{site}": PIN_AMOUNT}
+    return {}
+
+
 def trainer_labels(cfg: Config) -> dict[str, float]:
     """The label resources that pin the trainer (``placement.trainer_node`` / ``trainer_site``)."""
-    p = cfg.placement
-    if p.trainer_node:
-        return {f"node_{p.trainer_node}": PIN_AMOUNT}
-    if p.trainer_site:
-        return {f"site_{p.trainer_site}": PIN_AMOUNT}
-    return {}
+    return _pin(cfg.placement.trainer_node, cfg.placement.trainer_site)
 
 
 def gen_labels(cfg: Config, index: int) -> dict[str, float]:
     """The label resources that pin generation instance ``index`` (round robin over
     ``placement.gen_nodes``, else ``gen_sites``); replacements and elastic additions continue the
     round robin."""
-    p = cfg.placement
-    if p.gen_nodes:
-        return {f"node_{p.gen_nodes[index % len(p.gen_nodes)]}": PIN_AMOUNT}
-    if p.gen_sites:
-        return {f"site_{p.gen_sites[index % len(p.gen_sites)]}": PIN_AMOUNT}
-    return {}
+    nodes, sites = cfg.placement.gen_nodes, cfg.placement.gen_sites
+    return _pin(nodes[index % len(nodes)] if nodes else None, sites[index % len(sites)] if sites else None)
 
 
 def _where(labels: dict[str, float], default: str) -> str:
@@ -153,8 +153,9 @@ def _plan_cpu(cfg: Config) -> PlacementPlan:
         trainer_desc = f"trainer.threads ({t.threads})"
     count = max(g.num_instances, elastic_max(cfg)) if g.elastic else g.num_instances
     cpus = g.cpus_per_instance if g.cpus_per_instance is not None else float(g.threads_per_instance)
-    gen = tuple(Bundle(f"gen-{i}", {"CPU": cpus, **g.resources, **gen_labels(cfg, i)},
-                       _where(gen_labels(cfg, i), node.name)) for i in range(count))
+    labels = [gen_labels(cfg, i) for i in range(count)]
+    gen = tuple(Bundle(f"gen-{i}", {"CPU": cpus, **g.resources, **pin_i}, _where(pin_i, node.name))
+                for i, pin_i in enumerate(labels))
     need = sum(b.resources["CPU"] for b in trainer + gen)
     notes = []
     if cfg.mode == "colocated":

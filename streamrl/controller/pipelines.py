@@ -557,12 +557,9 @@ class DisaggPipeline(Pipeline):
         return partial == 0 and self._tget(self.trainer.version.remote(), "version") == iteration + 1
 
     def load(self, path: str) -> dict:
-        if self._ship:
-            from streamrl.controller.shipping import pack_dir
+        from streamrl.controller.shipping import pack_dir
 
-            extra = self._tget(self.trainer.load.remote(pack_dir(path)), "load")
-        else:
-            extra = self._tget(self.trainer.load.remote(path), "load")
+        extra = self._tget(self.trainer.load.remote(pack_dir(path) if self._ship else path), "load")
         self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), self._tget(self.trainer.version.remote(), "version"))
         return extra
 

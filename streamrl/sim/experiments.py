@@ -123,17 +123,18 @@ def hetero(model: str = "qwen2.5-7b", max_lens=MAX_LENS, system: str = "stream-a
     rows = []
     for max_len in max_lens:
         wl = r1_workload(max_len)
-        progress(f"hetero {max_len}: cross-dc")
         plan = plan_cross_dc(SimEstimator(m, h20, h800, wl), 32, 16)
-        dep = Deployment(m, h20, plan["gen_gpus"], plan["gen_tp"], h800, plan["train_gpus"], CROSS_DC_LINK)
-        cost = plan["gen_gpus"] / GPUS_PER_NODE * h20.cost_per_node + plan["train_gpus"] / GPUS_PER_NODE * h800.cost_per_node
-        info = {"gen": f"{plan['gen_gpus']}xH20", "train": f"{plan['train_gpus']}xH800", "tp": plan["gen_tp"]}
-        rows.append({"setup": "cross-dc", **_row(spec, dep, info, wl, iterations, seed, model=model, max_len=max_len), "cost": cost})
+
+        def cross_dc(gen: int, train: int) -> dict[str, Any]:
+            dep = Deployment(m, h20, gen, plan["gen_tp"], h800, train, CROSS_DC_LINK)
+            info = {"gen": f"{gen}xH20", "train": f"{train}xH800", "tp": plan["gen_tp"]}
+            cost = (gen * h20.cost_per_node + train * h800.cost_per_node) / GPUS_PER_NODE
+            return {**_row(spec, dep, info, wl, iterations, seed, model=model, max_len=max_len), "cost": cost}
+
+        progress(f"hetero {max_len}: cross-dc, Algorithm 1's shrunk form")
+        rows.append({"setup": "cross-dc", **cross_dc(plan["gen_gpus"], plan["train_gpus"])})
         progress(f"hetero {max_len}: cross-dc as deployed")
-        full = Deployment(m, h20, 32, plan["gen_tp"], h800, 16, CROSS_DC_LINK)
-        info_full = {"gen": "32xH20", "train": "16xH800", "tp": plan["gen_tp"]}
-        rows.append({"setup": "cross-dc-all", **_row(spec, full, info_full, wl, iterations, seed, model=model, max_len=max_len),
-                     "cost": 32 / GPUS_PER_NODE * h20.cost_per_node + 16 / GPUS_PER_NODE * h800.cost_per_node})
+        rows.append({"setup": "cross-dc-all", **cross_dc(32, 16)})
         progress(f"hetero {max_len}: single-dc")
         dep1, info1 = deployment_for(spec, model, "H800", 32, wl)
         info1 = {"gen": f"{info1['gen_gpus']}xH800", "train": f"{info1['train_gpus']}xH800", "tp": info1["tp"]}

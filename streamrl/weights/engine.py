@@ -31,8 +31,8 @@ from typing import Mapping
 import torch
 
 from streamrl.weights.delta import Delta, apply_delta, checksum, make_delta
-from streamrl.weights.flat import FlatWeights, flatten
-from streamrl.weights.transfer import WeightHandle, fetch_buffer, fetch_window
+from streamrl.weights.flat import FlatWeights, flatten, storage_key
+from streamrl.weights.transfer import WeightHandle, fetch_buffer, get_in_windows
 from streamrl.weights.tree import Location
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -64,7 +64,7 @@ def to_wire(state_dict: Mapping[str, torch.Tensor], wire_dtype: str) -> dict[str
     for k, v in state_dict.items():
         v = v.detach()
         if v.is_floating_point() and v.dtype != dtype:
-            key = (v.device.type, v.data_ptr(), tuple(v.shape), tuple(v.stride()))
+            key = storage_key(v)
             if key not in cast:
                 cast[key] = v.to(dtype)
             v = cast[key]
@@ -117,14 +117,14 @@ def put_buckets_of(delta: Delta) -> list:
 
 
 def _fetch_delta(handle: WeightHandle) -> Delta:
-    """The delta's buckets, ``fetch_window`` at a time (see ``transfer.fetch_buffer``)."""
-    import ray
+    """The delta's buckets, a window at a time (see ``transfer.fetch_buffer``)."""
+    buckets = tuple(get_in_windows(handle.delta, handle.delta_nbytes))
+    return Delta(handle.base, handle.version, handle.nbytes, handle.checksum, buckets)
 
-    refs, buckets = handle.delta, []
-    window = fetch_window(handle.delta_nbytes, len(refs))
-    for i in range(0, len(refs), window):
-        buckets += ray.get(refs[i:i + window])
-    return Delta(handle.base, handle.version, handle.nbytes, handle.checksum, tuple(buckets))
+
+def bucket_size(bucket_mb: float) -> int:
+    """``weights.bucket_mb`` in bytes, a multiple of 64 (at least 64)."""
+    return max(64, int(bucket_mb * 2**20) // 64 * 64)
 
 
 class WeightPublisher:
@@ -135,7 +135,7 @@ class WeightPublisher:
                  name: str = "trainer", location: Location | None = None) -> None:
         to_wire({}, wire_dtype)  # validates the name
         self.wire_dtype, self.delta, self.name = wire_dtype, delta, name
-        self.bucket_bytes = max(64, int(bucket_mb * 2**20) // 64 * 64)
+        self.bucket_bytes = bucket_size(bucket_mb)
         self._location = location
         self._prev: FlatWeights | None = None
         self.last_delta_fraction: float | None = None
@@ -171,7 +171,7 @@ class WeightReceiver:
     def __init__(self, name: str, keep: bool = False, location: Location | None = None,
                  bucket_mb: float = 16.0) -> None:
         self.name, self.keep = name, keep
-        self.bucket_bytes = max(64, int(bucket_mb * 2**20) // 64 * 64)
+        self.bucket_bytes = bucket_size(bucket_mb)
         self._location = location
         self.held: FlatWeights | None = None
         self._last_delta: Delta | None = None

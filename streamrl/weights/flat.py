@@ -124,18 +124,23 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy()
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identifies a tensor's bytes: two names with the same key are one tensor (tied weights)."""
+    return (t.device.type, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def flatten(state_dict: Mapping[str, torch.Tensor], version: int, meta: dict | None = None) -> FlatWeights:
     """Copy every tensor of ``state_dict`` into one new aligned ``uint8`` buffer. Tensors that
     are one storage under two names (tied embeddings) are stored once: both specs point at the
     same bytes, so the buffer, and every transfer of it, carries them once."""
     spec: list[TensorSpec] = []
     offset = 0
-    first: dict[tuple, int] = {}  # (storage address, shape, stride, dtype) -> offset of its first name
+    first: dict[tuple, int] = {}  # storage_key -> offset of its first name
     copies: list[tuple[TensorSpec, torch.Tensor]] = []
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
-        key = (t.device.type, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = storage_key(t)
         if t.numel() and key in first:
             spec.append(TensorSpec(name, tuple(t.shape), _dtype_name(name, t), first[key], t.numel()))
             continue

@@ -144,6 +144,15 @@ def fetch_window(total_bytes: int, buckets: int) -> int:
     return max(1, FETCH_WINDOW_BYTES // per)
 
 
+def get_in_windows(refs: list, total_bytes: int):
+    """The objects behind ``refs`` (``total_bytes`` in all), in order, ``fetch_window`` at a time."""
+    import ray
+
+    window = fetch_window(total_bytes, len(refs))
+    for i in range(0, len(refs), window):
+        yield from ray.get(refs[i:i + window])
+
+
 def fetch_buffer(handle: WeightHandle) -> np.ndarray:
     """The full buffer behind a Ray handle: one object (zero-copy on its node), or a list of
     bucket objects fetched ``fetch_window`` at a time into one buffer. Why a window: Ray
@@ -159,11 +168,9 @@ def fetch_buffer(handle: WeightHandle) -> np.ndarray:
     else:
         buf = np.empty(handle.nbytes, dtype=np.uint8)
         at = 0
-        window = fetch_window(handle.nbytes, len(payload))
-        for i in range(0, len(payload), window):
-            for part in ray.get(payload[i:i + window]):
-                buf[at:at + part.nbytes] = part
-                at += part.nbytes
+        for part in get_in_windows(payload, handle.nbytes):
+            buf[at:at + part.nbytes] = part
+            at += part.nbytes
         if at != handle.nbytes:
             raise ValueError(f"fetched {at} bytes in {len(payload)} buckets for version {handle.version}, "
                              f"handle says {handle.nbytes}")
