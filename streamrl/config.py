@@ -88,7 +88,7 @@ class RunConfig(_Section):
     out_dir: str = Field("runs/latest", description="metrics.jsonl, tensorboard, timeline, ckpts")
     trainer_timeout_s: float | None = Field(3600.0, gt=0, description="a call to the trainer (an iteration's "
                                             "training included) that takes longer stops the run: a hung trainer "
-                                            "is an error, not a wait; None waits forever")
+                                            "is an error, not a wait (its start gets at least 600 s); None waits forever")
     eval_every: int = Field(0, ge=0, description="evaluate on the held-out set every k iterations; 0 = only before/after")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every k iterations; 0 = only at the end")
     keep_checkpoints: bool = Field(False, description="also keep each periodic checkpoint's policy as "

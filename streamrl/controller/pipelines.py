@@ -38,6 +38,10 @@ def trainer_get(ref, what: str, timeout_s: float | None = None):
                             "the last checkpoint was left as it was") from None
 
 
+TRAINER_START_TIMEOUT_S = 600.0
+"""The least time the trainer actor gets to start and answer its first call (see ``DisaggPipeline``)."""
+
+
 AHEAD_PRIORITY = 1e6
 """Partial rollout: iteration i's requests get priority offset ``-i * AHEAD_PRIORITY``, so an
 engine always admits an earlier iteration's request first (order priorities are lengths)."""
@@ -228,7 +232,12 @@ class DisaggPipeline(Pipeline):
                                             **cfg.cluster.actor_options()).remote(
             cfg.model_dump(), cfg.trainer.threads, self.max_staleness, policy)
         # A trainer on another node than the driver returns its checkpoints as files (controller.shipping).
-        self._ship = self._tget(self.trainer.node_id.remote(), "node_id") != ray.get_runtime_context().get_node_id()
+        # The first answer also waits for the actor's start (imports, loading the policy), which is
+        # not a step: it gets at least TRAINER_START_TIMEOUT_S, whatever run.trainer_timeout_s says.
+        limit = self.cfg.run.trainer_timeout_s
+        started = trainer_get(self.trainer.node_id.remote(), "node_id (its start)",
+                              None if limit is None else max(limit, TRAINER_START_TIMEOUT_S))
+        self._ship = started != ray.get_runtime_context().get_node_id()
         self.sgs = StreamGenerationService(cfg, policy_path=policy, dispatch=cfg.generation.dispatch, plan=plan,
                                            fault_log=getattr(ctx, "fault_log", None))
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
