@@ -17,7 +17,7 @@ Sections (each reports ok/failed and its numbers; the exit status is 1 if any fa
 4. **decode profile**: per-token decode latency vs batch size (1..512) of a Qwen2.5-7B-shaped bf16
    model, from transformers ``generate`` with a KV cache (difference of an N-token and a 1-token
    run, which removes prefill, as ``streamrl profile`` does), saved in the format ``streamrl
-   profile`` writes (``policies.latency``'s ``points`` plus extras), next to the simulator's
+   profile`` writes (``scheduling.latency``'s ``points`` plus extras), next to the simulator's
    roofline prediction for this GPU when it is in the catalog.
 
 ``--tiny`` swaps every shape for a tiny one so the whole script runs on a CPU in seconds (the
@@ -345,9 +345,9 @@ def roofline_points(gpu_name: str, shape: str, batch_sizes, context: float) -> d
     """The simulator's prediction for this GPU (if catalogued) and shape, eager and with graphs."""
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from streamrl.sim.cost import RooflineDecode
-        from streamrl.sim.hardware import get_gpu
-        from streamrl.sim.models import get_model
+        from streamrl.lab.sim.cost import RooflineDecode
+        from streamrl.lab.sim.hardware import get_gpu
+        from streamrl.lab.sim.models import get_model
     except Exception as exc:  # the simulator needs only the standard library; report why it is absent
         return {"error": repr(exc)}
     key = next((k for k in ("H200", "H100", "H800", "H20", "A100") if k in gpu_name.upper()), None)

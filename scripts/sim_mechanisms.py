@@ -23,12 +23,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from streamrl.sim import cost as C
-from streamrl.sim import experiments as E
-from streamrl.sim import systems as S
-from streamrl.sim.hardware import get_gpu, node_link
-from streamrl.sim.models import get_model
-from streamrl.sim.workload import r1_workload
+from streamrl.lab.sim import cost as C
+from streamrl.lab.sim import experiments as E
+from streamrl.lab.sim import systems as S
+from streamrl.lab.sim.hardware import get_gpu, node_link
+from streamrl.lab.sim.models import get_model
+from streamrl.lab.sim.workload import r1_workload
 
 MIN_FIT_TP = {"qwen2.5-7b": 1, "qwen2.5-32b": 2, "qwen2.5-72b": 4}
 

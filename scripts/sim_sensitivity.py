@@ -22,8 +22,8 @@ import json
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from streamrl.sim import cost, hardware, systems
-from streamrl.sim import experiments as E
+from streamrl.lab.sim import cost, hardware, systems
+from streamrl.lab.sim import experiments as E
 
 # name -> (low, high): the range we consider plausible (docs/simulator.md says why)
 RANGES = {

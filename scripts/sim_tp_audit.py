@@ -16,13 +16,13 @@ import json
 
 from sim_sensitivity import run as e2e_summary
 
-from streamrl.planner.plan import plan_single_dc
-from streamrl.sim import estimators
-from streamrl.sim import experiments as E
-from streamrl.sim.estimators import SimEstimator
-from streamrl.sim.hardware import get_gpu
-from streamrl.sim.models import get_model
-from streamrl.sim.workload import r1_workload
+from streamrl.lab.planner.plan import plan_single_dc
+from streamrl.lab.sim import estimators
+from streamrl.lab.sim import experiments as E
+from streamrl.lab.sim.estimators import SimEstimator
+from streamrl.lab.sim.hardware import get_gpu
+from streamrl.lab.sim.models import get_model
+from streamrl.lab.sim.workload import r1_workload
 
 POLICIES = {"search": "search", "min-fit (1/2/4)": "min-fit", "1/4/8": "7b=1,32b=4,72b=8",
             "2/4/8": "7b=2,32b=4,72b=8"}

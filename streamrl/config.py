@@ -292,7 +292,7 @@ class GenerationConfig(_Section):
     @field_validator("dispatch")
     @classmethod
     def _known_dispatch(cls, value: str) -> str:
-        from streamrl.policies.dispatch import DISPATCH_POLICIES  # pure Python: no torch, no Ray
+        from streamrl.scheduling.dispatch import DISPATCH_POLICIES  # pure Python: no torch, no Ray
 
         return _choice(value, DISPATCH_POLICIES, "policy")
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from streamrl import cluster as C
+from streamrl.lab import cluster as C
 
 
 def test_sites_and_links_parse_and_bad_specs_name_the_bad_part():

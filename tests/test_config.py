@@ -166,7 +166,7 @@ def test_non_utf8_config_file_is_a_config_error(tmp_path):
 
 
 def test_dispatch_policy_is_checked_against_the_registry_at_load_time():
-    from streamrl.policies.dispatch import DISPATCH_POLICIES
+    from streamrl.scheduling.dispatch import DISPATCH_POLICIES
 
     with pytest.raises(ConfigError) as err:
         load_config(None, ["generation.dispatch=skew-search"])

@@ -247,7 +247,7 @@ def test_retiring_an_instance_mid_generation_moves_its_work_with_prefixes_and_lo
 
 
 def test_the_elastic_controller_adds_and_retires_instances_between_iterations(ray_session, tiny_policy_dir):
-    """The decisions are scripted here (the rule itself is tested in test_policies.py); what is
+    """The decisions are scripted here (the rule itself is tested in test_scheduling.py); what is
     checked is what the pipeline does with them: a new instance with the current weights, a
     retired one, every sample still trained once."""
     import ray
@@ -293,7 +293,7 @@ def _kill_titled(title: bytes) -> int:
     machine, so this waits up to a minute for such a process to go before it counts."""
     import time
 
-    from streamrl.bench.faults import _cmdline, descendants
+    from streamrl.lab.bench.faults import _cmdline, descendants
 
     deadline = time.monotonic() + 60.0
     while True:
@@ -402,7 +402,7 @@ def test_a_hung_trainer_stops_the_run_within_the_timeout(ray_session, tiny_polic
 
     def freeze_trainer(it, metrics):
         if it == 1:
-            from streamrl.bench.faults import _cmdline, descendants
+            from streamrl.lab.bench.faults import _cmdline, descendants
 
             frozen.extend(p for p in descendants(os.getpid()) if _cmdline(p).startswith(b"ray::IterationTrainer"))
             for pid in frozen:

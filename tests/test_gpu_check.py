@@ -22,7 +22,7 @@ def test_gpu_check_shell_wrapper_parses():
 
 @pytest.mark.slow
 def test_gpu_check_tiny_cpu_run_writes_a_profile_the_simulator_loads(tmp_path):
-    from streamrl.policies.latency import latency_from_dict
+    from streamrl.scheduling.latency import latency_from_dict
 
     out, summary = tmp_path / "profile.json", tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--tiny", "--device", "cpu",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.config import ConfigError, load_config, plan_overrides
-from streamrl.controller.shipping import materialize_policy, pack_dir, package_policy, unpack_dir
+from streamrl.models.shipping import materialize_policy, pack_dir, package_policy, unpack_dir
 from streamrl.placement import check_cluster, plan_file_for_sites, plan_placement
 
 
@@ -85,7 +85,7 @@ def test_a_shipped_policy_is_written_once_per_node_and_directories_replace_atomi
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
-    from streamrl import cluster as C
+    from streamrl.lab import cluster as C
 
     why = C.unavailable()
     if why:

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from streamrl.sim.estimators import ProfileEstimator, SimEstimator
-from streamrl.planner.plan import plan_cross_dc, plan_single_dc
-from streamrl.policies.latency import LatencyModel, save_profile
-from streamrl.sim.hardware import get_gpu
-from streamrl.sim.models import get_model
-from streamrl.sim.workload import r1_workload
+from streamrl.lab.sim.estimators import ProfileEstimator, SimEstimator
+from streamrl.lab.planner.plan import plan_cross_dc, plan_single_dc
+from streamrl.scheduling.latency import LatencyModel, save_profile
+from streamrl.lab.sim.hardware import get_gpu
+from streamrl.lab.sim.models import get_model
+from streamrl.lab.sim.workload import r1_workload
 
 
 def small_estimator(gen="H800", train="H800", max_len=5000):

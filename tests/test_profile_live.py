@@ -7,7 +7,7 @@ import json
 import pytest
 
 from streamrl.cli import main
-from streamrl.policies.latency import load_profile
+from streamrl.scheduling.latency import load_profile
 
 # A small workload so the real profile stays a few seconds on one thread.
 SMALL = ["generation.prompts_per_iter=4", "generation.n_samples=2", "generation.max_new_tokens=24",
@@ -86,7 +86,7 @@ def test_simulate_modes_against_a_bench(tmp_path, capsys):
 
 
 def test_simulate_modes_within_flag_and_lengths_file(tmp_path):
-    from streamrl.sim import live
+    from streamrl.lab.sim import live
 
     lengths = tmp_path / "lens.jsonl"
     lengths.write_text("\n".join(json.dumps({"key": f"p{i}", "text": "x", "length": 30 + i % 5}) for i in range(50)))
@@ -105,7 +105,7 @@ def test_simulate_modes_within_flag_and_lengths_file(tmp_path):
 
 
 def test_colocated_uses_the_bench_thread_scaling_without_2_thread_numbers():
-    from streamrl.sim import live
+    from streamrl.lab.sim import live
 
     kw = dict(prompts_per_iter=8, n_samples=4, max_new_tokens=64, lengths=[40.0] * 10, iterations=3,
               modes=["colocated", "disagg-batch"])
@@ -139,11 +139,11 @@ def test_profile_times_each_stage_under_the_other_and_leaves_no_load_process(tin
     assert sorted(int(b) for b in ov["decode_slowdown_per_batch"]) == [2, 4]
     assert ov["train_under_decode"]["train_step_s"] > 0
     ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "streamrl.profiling.overlap" not in ps  # both load processes were stopped
+    assert "streamrl.lab.profiling.overlap" not in ps  # both load processes were stopped
 
 
 def test_simulate_modes_slows_only_the_overlapping_modes_by_the_profiled_interference():
-    from streamrl.sim.live import simulate_tiny_modes
+    from streamrl.lab.sim.live import simulate_tiny_modes
 
     prof = {"points": [{"batch_size": 1, "ms_per_token": 2.0}, {"batch_size": 64, "ms_per_token": 4.0}],
             "train_tokens_per_s": 2000.0, "threads": 1, "prompt_len_mean": 20.0, "new_tokens": 32}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from streamrl.ranker.base import make_ranker
-from streamrl.ranker.evaluate import (Prediction, evaluate, group_metrics, group_oracle, prompt_folds, reference_rows,
+from streamrl.lab.rank_eval import (Prediction, evaluate, group_metrics, group_oracle, prompt_folds, reference_rows,
                                       streaming)
 from streamrl.ranker.history import BlendRanker, HistoryRanker
 from streamrl.ranker.records import QWEN_MATH_FILE, LengthRecord, load_samples_jsonl
@@ -260,7 +260,7 @@ def test_streaming_protocol_never_scores_what_it_has_seen(tmp_path):
 
 
 def test_streaming_steps_can_come_from_a_named_column_with_several_warmup_steps(tmp_path):
-    from streamrl.ranker.evaluate import run_suite
+    from streamrl.lab.rank_eval import run_suite
 
     # a rollout log: iterations 0-3 over 2 epochs of the same 10 prompts
     rows = [{"key": f"p{i}", "text": f"prompt {i}", "length": 10.0 * (i + 1) + it, "iteration": it, "epoch": it // 2}
@@ -280,7 +280,7 @@ def test_streaming_steps_can_come_from_a_named_column_with_several_warmup_steps(
 
 
 def test_run_suite_runs_only_the_protocols_asked_for(tmp_path):
-    from streamrl.ranker.evaluate import run_suite
+    from streamrl.lab.rank_eval import run_suite
 
     rows = [{"key": f"p{i}", "text": f"prompt {i}", "length": 10.0 * (i + 1) + step, "step": step}
             for step in range(3) for i in range(10)]

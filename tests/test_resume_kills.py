@@ -21,7 +21,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def test_a_run_killed_and_resumed_ten_times_trains_the_schedule_exactly_once(tiny_policy_dir, tmp_path):
-    from streamrl.bench.faults import Attempt, _kill_tree, _wait_gone, exactly_once, scheduled_ids
+    from streamrl.lab.bench.faults import Attempt, _kill_tree, _wait_gone, exactly_once, scheduled_ids
 
     overrides = [f"policy.path={tiny_policy_dir}", "mode=stream-async", "run.iterations=80",
                  "generation.prompts_per_iter=4", "generation.n_samples=2", "generation.max_new_tokens=24",

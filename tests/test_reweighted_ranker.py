@@ -292,7 +292,7 @@ def test_online_ranker_installs_policies_and_scores_the_next_batch_ahead(tiny_po
 
 
 def test_checkpoint_resolver_picks_the_newest_kept_version_the_lag_allows(tmp_path):
-    from streamrl.ranker.evaluate import checkpoint_resolver
+    from streamrl.lab.rank_eval import checkpoint_resolver
 
     for k in (4, 8, 12):
         (tmp_path / f"iter-{k}").mkdir()
@@ -309,7 +309,7 @@ def test_checkpoint_resolver_picks_the_newest_kept_version_the_lag_allows(tmp_pa
 def test_streaming_eval_installs_each_steps_checkpoint_and_reads_logged_responses(tmp_path, tiny_policy_dir):
     """A rollout log with responses and log-probs: the streaming protocol hands the ranker traces
     and the checkpoint of each step's generating version (less the lag)."""
-    from streamrl.ranker.evaluate import checkpoint_resolver, streaming
+    from streamrl.lab.rank_eval import checkpoint_resolver, streaming
     from streamrl.ranker.records import load_samples_jsonl
 
     ranker = _ranker(tiny_policy_dir)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from streamrl.bench.modes import mode_config
-from streamrl.bench.scheduling import lower_bound_s
+from streamrl.lab.bench.modes import mode_config
+from streamrl.lab.bench.scheduling import lower_bound_s
 from streamrl.config import load_config
-from streamrl.policies.latency import LatencyModel
+from streamrl.scheduling.latency import LatencyModel
 
 
 def test_mode_variant_switches_on_skewness_aware_dispatch_and_lpt():
@@ -67,7 +67,7 @@ def test_lower_bound_adds_every_tokens_context_cost_whatever_the_schedule():
 
 
 def test_bench_modes_rejects_colocated_thread_counts_beyond_the_cluster(tmp_path):
-    from streamrl.bench.modes import bench_modes
+    from streamrl.lab.bench.modes import bench_modes
 
     cfg = load_config("configs/bench.yaml", [])
     with pytest.raises(ValueError, match=r"colocated_threads \[3\]"):
@@ -77,7 +77,7 @@ def test_bench_modes_rejects_colocated_thread_counts_beyond_the_cluster(tmp_path
 @pytest.mark.slow
 def test_history_policy_lengths_reach_the_ranker_for_every_batch_prompt(ray_session, tiny_policy_dir):
     """A later-epoch bench: the earlier checkpoint's greedy lengths are what ``history`` ranks by."""
-    from streamrl.bench.scheduling import CONFIGS, bench_scheduling
+    from streamrl.lab.bench.scheduling import CONFIGS, bench_scheduling
 
     cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "generation.max_new_tokens=24", "task.num_train=64",
                              "cluster.num_cpus=2"])
@@ -97,7 +97,7 @@ def test_history_policy_lengths_reach_the_ranker_for_every_batch_prompt(ray_sess
 def test_batches_are_disjoint_and_the_table_is_the_mean_of_each_batchs_ratios(ray_session, tiny_policy_dir):
     """``batches=2``: two disjoint batches, each recorded and run; every aggregate ratio and check is the
     mean over batches of that batch's own ratio."""
-    from streamrl.bench.scheduling import CONFIGS, bench_scheduling
+    from streamrl.lab.bench.scheduling import CONFIGS, bench_scheduling
 
     cfg = load_config(None, [f"policy.path={tiny_policy_dir}", "generation.max_new_tokens=24", "task.num_train=64",
                              "cluster.num_cpus=2"])

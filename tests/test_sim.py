@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
-from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel
-from streamrl.sim import cost as C
-from streamrl.sim.engine import simulate_generation
-from streamrl.sim.hardware import CROSS_DC_LINK, GBPS, Link, get_gpu, pipelined_chain_s, weight_push_s
-from streamrl.sim.models import get_model
-from streamrl.sim.systems import Deployment, get_system, run_system
-from streamrl.sim import experiments as E
-from streamrl.sim.workload import ReplayLengths, Workload, data_dir, r1_workload, top_recall
+from streamrl.scheduling.latency import H800_QWEN7B_VLLM, LatencyModel
+from streamrl.lab.sim import cost as C
+from streamrl.lab.sim.engine import simulate_generation
+from streamrl.lab.sim.hardware import CROSS_DC_LINK, GBPS, Link, get_gpu, pipelined_chain_s, weight_push_s
+from streamrl.lab.sim.models import get_model
+from streamrl.lab.sim.systems import Deployment, get_system, run_system
+from streamrl.lab.sim import experiments as E
+from streamrl.lab.sim.workload import ReplayLengths, Workload, data_dir, r1_workload, top_recall
 
 FLAT = LatencyModel(((1, 10.0), (2, 10.0)))  # 10 ms per decode step at any batch size
 
@@ -51,10 +51,10 @@ def test_two_instances_lpt_order_shortens_makespan():
 
 
 def test_rebalancing_runs_the_live_check_on_predicted_lengths():
-    """The simulated SGS steals with ``policies.rebalance.plan_round``: the request whose move most
+    """The simulated SGS steals with ``scheduling.rebalance.plan_round``: the request whose move most
     shortens the *predicted* makespan, not the head of the queue. Instance 0 runs r0 (100 tokens)
     with qa (10) then qb (60) queued; instance 1 runs r1 (20); batch 1, 10 ms/token."""
-    from streamrl.sim.engine import Rebalancing
+    from streamrl.lab.sim.engine import Rebalancing
 
     lens, queues, assign = [100, 10, 60, 20], [[0, 1, 2], [3]], [0, 0, 0, 1]
     queued_only = Rebalancing(FLAT, running=False)
@@ -148,7 +148,7 @@ def test_generation_scales_poorly_like_paper():
     m, g = get_model("qwen2.5-7b"), get_gpu("H800")
     spec = get_system("colocated")
     batch, hist = wl.sample(np.random.default_rng(0)), wl.sample(np.random.default_rng(1)).out_lens
-    from streamrl.sim.systems import generate
+    from streamrl.lab.sim.systems import generate
 
     t = {x: generate(batch, spec, Deployment(m, g, x, 1, g, x), hist).makespan_s for x in (8, 32)}
     assert 0.55 < t[32] / t[8] < 0.85  # PAPER.md §1: 0.69
@@ -237,7 +237,7 @@ def test_profiled_train_charges_a_prepare_call_in_batched_passes():
 
 
 def test_stream_calls_follow_the_outbox_rule():
-    from streamrl.sim.systems import call_stream_train
+    from streamrl.lab.sim.systems import call_stream_train
 
     one_pass = C.ProfiledTrain(1e9, prepare_pass_s=0.1).prepare_s  # 0.1 s per call of any size here
     zero = np.zeros(5)
@@ -299,7 +299,7 @@ def test_live_colocated_step_is_generation_plus_install_plus_training():
     admissions + prefills and L decode steps at PTL(64); then the weight install; then 128 x
     (p + L) tokens at the optimizer-step rate after one prepare call of all 128 (passes of 33 x 30
     padded tokens under the 1000-token budget), all from the profile's colocated (2-thread) numbers."""
-    from streamrl.sim import live
+    from streamrl.lab.sim import live
 
     L, n = 20, 128
     res = live.simulate_tiny_modes(tiny_profile(), prompts_per_iter=32, n_samples=4, max_new_tokens=200,
@@ -319,7 +319,7 @@ def test_live_colocated_step_is_generation_plus_install_plus_training():
 
 
 def test_live_falls_back_to_combined_rate_and_thread_scaling():
-    from streamrl.sim import live
+    from streamrl.lab.sim import live
 
     prof = tiny_profile(colocated=False)
     del prof["train"], prof["prefill"]
@@ -333,7 +333,7 @@ def test_live_falls_back_to_combined_rate_and_thread_scaling():
 
 
 def test_profiled_decode_charges_context_beyond_the_ptl_runs():
-    from streamrl.sim import live
+    from streamrl.lab.sim import live
 
     lat = LatencyModel(((1, 2.0), (8, 4.0)), "transformers", "tiny", "cpu", {"kv_ms_per_token": 0.001})
     ctx = live.ptl_context({"prompt_len_mean": 8.9, "new_tokens": 32})
@@ -345,7 +345,7 @@ def test_profiled_decode_charges_context_beyond_the_ptl_runs():
 
 
 def test_live_rejects_the_old_per_unit_prepare_form():
-    from streamrl.sim import live
+    from streamrl.lab.sim import live
 
     prof = tiny_profile(colocated=False)
     prof["train"] = {"train_step_tokens_per_s": 2000.0, "prepare_unit": "sample", "prepare_s_per_unit": 0.01}
@@ -354,7 +354,7 @@ def test_live_rejects_the_old_per_unit_prepare_form():
 
 
 def test_fit_prepare_calls_recovers_pass_and_token_costs():
-    from streamrl.profiling.live import call_sizes, fit_prepare_calls
+    from streamrl.lab.profiling.measure import call_sizes, fit_prepare_calls
 
     rows = [{"passes": p, "padded_tokens": t, "s": 0.006 * p + 2e-6 * t} for p, t in ((1, 30), (1, 500), (3, 9000), (5, 16000))]
     assert fit_prepare_calls(rows) == pytest.approx((0.006, 2e-6))
@@ -365,7 +365,7 @@ def test_fit_prepare_calls_recovers_pass_and_token_costs():
 
 
 def test_fit_per_sample_recovers_overhead_and_slope():
-    from streamrl.profiling.live import fit_per_sample
+    from streamrl.lab.profiling.measure import fit_per_sample
 
     toks = [10, 20, 30, 40]
     a, b = fit_per_sample([0.005 + 1e-4 * x for x in toks], toks)
@@ -377,8 +377,8 @@ def test_fit_per_sample_recovers_overhead_and_slope():
 
 
 def test_sim_elastic_applies_the_rule_each_iteration():
-    from streamrl.policies.elastic import should_add_instance
-    from streamrl.sim.experiments import elastic
+    from streamrl.scheduling.elastic import should_add_instance
+    from streamrl.lab.sim.experiments import elastic
 
     res = elastic(iterations=6)
     rows, tp = res["iterations"], res["tp"]
@@ -391,7 +391,7 @@ def test_sim_elastic_applies_the_rule_each_iteration():
 
 
 def test_fit_prefill_takes_the_per_request_slope():
-    from streamrl.profiling.live import fit_prefill
+    from streamrl.lab.profiling.measure import fit_prefill
 
     ptl = [{"batch_size": b, "ms_per_token": 2.0} for b in (1, 8, 64)]
     one = [{"batch_size": b, "one_token_s": 0.004 + 0.002 + 0.0005 * b, "prompt_len": 10} for b in (1, 8, 64)]

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from streamrl.bench.faults import role_table, slope_per_100
+from streamrl.lab.bench.faults import role_table, slope_per_100
 
 
 def test_slope_is_per_100_iterations_and_zero_with_too_few_points():

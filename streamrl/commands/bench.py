@@ -35,7 +35,7 @@ def register(sub) -> None:
     s.add_argument("--instances", type=int, default=2, help="generation instances, one thread each (2)")
     s.add_argument("--batch", type=int, default=16,
                    help="max_requests_per_batch of each instance (16: a quarter of each instance's share, so "
-                        "requests queue and admission order matters; see streamrl.bench.scheduling for other regimes)")
+                        "requests queue and admission order matters; see streamrl.lab.bench.scheduling for other regimes)")
     s.add_argument("--repeats", type=int, default=8,
                    help="runs per configuration (8: one run's makespan varies by ~5%% on this machine)")
     s.add_argument("--batches", type=int, default=1,
@@ -112,11 +112,11 @@ def register(sub) -> None:
 
 
 def run_weights(args) -> int:
-    from streamrl.bench.weights import METHODS
+    from streamrl.lab.bench.weights import METHODS
     from streamrl.metrics.report import print_table, write_json
 
     if args.run:
-        from streamrl.bench.weights import run_transfers
+        from streamrl.lab.bench.weights import run_transfers
 
         rows = run_transfers(args.run)
         print_table(f"weight transfers of {args.run}, per version", rows,
@@ -140,11 +140,11 @@ def run_weights(args) -> int:
 
         args.demo_lr = load_config("configs/tiny.yaml", []).trainer.lr if Path("configs/tiny.yaml").exists() else None
     if args.inside:
-        from streamrl.bench.weights import run_inside
+        from streamrl.lab.bench.weights import run_inside
 
         write_json(args.out, run_inside(args.cluster, args))
         return 0
-    from streamrl.bench.weights import bench_weights
+    from streamrl.lab.bench.weights import bench_weights
 
     args.passthrough = [f"--per-node={args.per_node}", f"--vocab={args.vocab}", f"--hidden={args.hidden}",
                         f"--layers={args.layers}", f"--heads={args.heads}", f"--kv-heads={args.kv_heads}",
@@ -179,7 +179,7 @@ def run_modes(args) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from streamrl.bench.modes import bench_modes
+    from streamrl.lab.bench.modes import bench_modes
     from streamrl.metrics.report import print_table, write_json
 
     threads = tuple(int(t) for t in args.colocated_threads.split(",")) if args.colocated_threads else None
@@ -212,7 +212,7 @@ def run_scheduling(args) -> int:
 
     cfg = load_cli_config(args.config, args.overrides, default="configs/bench.yaml")
     logging.basicConfig(level=logging.WARNING)
-    from streamrl.bench.scheduling import CONFIGS, bench_scheduling
+    from streamrl.lab.bench.scheduling import CONFIGS, bench_scheduling
     from streamrl.metrics.report import print_table, write_json
 
     configs = CONFIGS
@@ -268,7 +268,7 @@ def run_faults(args) -> int:
     fixed = ["mode=stream-async", f"run.iterations={args.iterations}", "run.checkpoint_every=2", "task.num_eval=64"]
     overrides = fixed + list(args.overrides)
     cfg = load_cli_config(args.config, overrides, default="configs/tiny.yaml")
-    from streamrl.bench.faults import bench_faults
+    from streamrl.lab.bench.faults import bench_faults
     from streamrl.controller.driver import ensure_policy
     from streamrl.metrics.report import print_table, write_json
 
@@ -297,7 +297,7 @@ def run_soak(args) -> int:
              "run.checkpoint_every=50"]
     overrides = fixed + list(args.overrides)
     cfg = load_cli_config(args.config, overrides, default="configs/tiny.yaml")
-    from streamrl.bench.faults import bench_soak
+    from streamrl.lab.bench.faults import bench_soak
     from streamrl.controller.driver import ensure_policy
     from streamrl.metrics.report import print_table, write_json
 

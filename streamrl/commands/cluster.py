@@ -1,5 +1,5 @@
 """`streamrl cluster up|down|status|run`: a multi-site Ray cluster on this host (network
-namespaces joined by shaped links, see ``streamrl.cluster``)."""
+namespaces joined by shaped links, see ``streamrl.lab.cluster``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def register(sub) -> None:
 
 
 def run_up(args) -> int:
-    from streamrl import cluster as c
+    from streamrl.lab import cluster as c
 
     sites = c.parse_sites(args.sites)
     links = c.parse_links(args.link, sites)
@@ -46,7 +46,7 @@ def run_up(args) -> int:
 
 
 def run_down(args) -> int:
-    from streamrl import cluster as c
+    from streamrl.lab import cluster as c
 
     removed = c.down(args.name)
     print(f"cluster {args.name}: killed {removed['processes']} processes, removed {removed['netns']} namespaces "
@@ -55,7 +55,7 @@ def run_down(args) -> int:
 
 
 def run_status(args) -> int:
-    from streamrl import cluster as c
+    from streamrl.lab import cluster as c
 
     cl = c.load(args.name)
     print(cl.report())
@@ -68,7 +68,7 @@ def run_status(args) -> int:
 def run_run(args) -> int:
     import subprocess
 
-    from streamrl import cluster as c
+    from streamrl.lab import cluster as c
 
     cl = c.load(args.name)
     argv = args.argv[1:] if args.argv and args.argv[0] == "--" else args.argv

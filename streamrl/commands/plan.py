@@ -46,13 +46,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from streamrl.commands.sim import apply_tp
 
     apply_tp(args)
-    from streamrl.sim.estimators import ProfileEstimator, SimEstimator
+    from streamrl.lab.sim.estimators import ProfileEstimator, SimEstimator
     from streamrl.metrics.report import print_table, write_json
-    from streamrl.planner.plan import plan_cross_dc, plan_single_dc, plot_sweep
-    from streamrl.policies.latency import load_profile
-    from streamrl.sim.hardware import get_gpu
-    from streamrl.sim.models import get_model
-    from streamrl.sim.workload import ReplayLengths, Workload, r1_workload
+    from streamrl.lab.planner.plan import plan_cross_dc, plan_single_dc, plot_sweep
+    from streamrl.scheduling.latency import load_profile
+    from streamrl.lab.sim.hardware import get_gpu
+    from streamrl.lab.sim.models import get_model
+    from streamrl.lab.sim.workload import ReplayLengths, Workload, r1_workload
 
     wl = r1_workload(args.max_len, args.batch)
     if args.lengths_file:
@@ -114,7 +114,7 @@ def _write_plan(path: str, sections: dict) -> None:
 
 
 def _plan_on_cluster(args: argparse.Namespace) -> int:
-    from streamrl import cluster as C
+    from streamrl.lab import cluster as C
     from streamrl.metrics.report import print_table, write_json
     from streamrl.placement import plan_file_for_sites
 

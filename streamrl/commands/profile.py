@@ -34,8 +34,8 @@ def run_profile(args) -> int:
 
     from streamrl.config import load_config, split_cli_config
     from streamrl.metrics.report import print_table, write_json
-    from streamrl.policies.latency import latency_from_dict
-    from streamrl.profiling.live import DEFAULT_CONFIG, REPEATS, PolicyMissing, default_out, measure_profile
+    from streamrl.scheduling.latency import latency_from_dict
+    from streamrl.lab.profiling.live import DEFAULT_CONFIG, REPEATS, PolicyMissing, default_out, measure_profile
 
     config, overrides = split_cli_config(args.config, args.overrides, default=DEFAULT_CONFIG)
     cfg = load_config(config, overrides)

@@ -1,7 +1,7 @@
 """``streamrl rank eval``: train and evaluate an output-length ranker on a data file.
 
 Only argparse and the report helper are imported here; ``run`` imports the ranker code after
-parsing. Protocols and baselines are described in ``streamrl.ranker.evaluate``.
+parsing. Protocols and baselines are described in ``streamrl.lab.rank_eval``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def run_eval(args) -> int:
     from pathlib import Path
 
     from streamrl.metrics.report import print_table, write_json
-    from streamrl.ranker.evaluate import METRIC_KEYS, run_suite
+    from streamrl.lab.rank_eval import METRIC_KEYS, run_suite
     from streamrl.tasks.base import default_data_dir
 
     if args.data == "samples" and not args.file:
@@ -84,7 +84,7 @@ def run_eval(args) -> int:
               "reweighted": reweighted}
     policy_at = None
     if args.checkpoints:
-        from streamrl.ranker.evaluate import checkpoint_resolver
+        from streamrl.lab.rank_eval import checkpoint_resolver
 
         policy_at = checkpoint_resolver(args.checkpoints, args.policy_lag)
     from streamrl.metrics import progress
@@ -100,7 +100,7 @@ def run_eval(args) -> int:
         all_rows.extend({"setting": title, **row} for row in rows)
     print("unit: sample = each response ranked on its own (n responses); group-mean / group-max = the "
           "held-out responses of one prompt in a batch as one GRPO group, truth = their mean / max length "
-          "(n groups); see streamrl.ranker.evaluate")
+          "(n groups); see streamrl.lab.rank_eval")
     print("paper (Qwen2.5-7B ranker, Table 4, per sample): recall@20/10/5% = 0.87 / 0.82 / 0.76")
     write_json(args.out, {"data": args.data, "data_dir": str(data_dir), "rankers": list(rankers),
                           "seed": args.seed, "decay": args.decay, "step_field": args.step_field,

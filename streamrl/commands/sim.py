@@ -27,7 +27,7 @@ def add_tp_argument(p: argparse.ArgumentParser) -> None:
 def apply_tp(args: argparse.Namespace) -> None:
     """Set the simulator's TP policy from ``--tp`` (a bad entry is a user error)."""
     from streamrl.errors import UserError
-    from streamrl.sim import estimators
+    from streamrl.lab.sim import estimators
 
     try:
         estimators.set_tp(getattr(args, "tp", None))
@@ -104,7 +104,7 @@ def _split(arg: str | None, cast=str) -> tuple | None:
 
 
 def run_e2e(args: argparse.Namespace) -> int:
-    from streamrl.sim import experiments as E
+    from streamrl.lab.sim import experiments as E
 
     apply_tp(args)
 
@@ -123,7 +123,7 @@ def run_e2e(args: argparse.Namespace) -> int:
 
 
 def run_ablation(args: argparse.Namespace) -> int:
-    from streamrl.sim import experiments as E
+    from streamrl.lab.sim import experiments as E
 
     apply_tp(args)
 
@@ -136,7 +136,7 @@ def run_ablation(args: argparse.Namespace) -> int:
 
 
 def run_hetero(args: argparse.Namespace) -> int:
-    from streamrl.sim import experiments as E
+    from streamrl.lab.sim import experiments as E
 
     apply_tp(args)
 
@@ -150,7 +150,7 @@ def run_hetero(args: argparse.Namespace) -> int:
 
 
 def run_elastic(args: argparse.Namespace) -> int:
-    from streamrl.sim import experiments as E
+    from streamrl.lab.sim import experiments as E
 
     apply_tp(args)
 
@@ -194,8 +194,8 @@ def run_modes(args: argparse.Namespace) -> int:
     import sys
 
     from streamrl.config import load_cli_config
-    from streamrl.profiling.live import DEFAULT_CONFIG
-    from streamrl.sim import live
+    from streamrl.lab.profiling.live import DEFAULT_CONFIG
+    from streamrl.lab.sim import live
 
     cfg = load_cli_config(args.config, args.overrides, default=DEFAULT_CONFIG)
     try:

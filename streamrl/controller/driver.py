@@ -43,9 +43,7 @@ def init_ray(cfg: Config) -> None:
     env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
     if cfg.cluster.address:
         if cfg.cluster.ship_package:  # other nodes import this copy of the package (controller.shipping)
-            import streamrl
-
-            env["py_modules"] = [str(Path(streamrl.__file__).parent)]
+            env["py_modules"] = [str(Path(__file__).resolve().parents[1])]  # the streamrl package folder
         ray.init(address=cfg.cluster.address, log_to_driver=True, runtime_env=env)
     else:
         ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=env)

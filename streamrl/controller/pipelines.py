@@ -53,7 +53,7 @@ def shipped_policy(cfg: Config):
     the driver starts: None (every actor reads ``policy.path``)."""
     if not cfg.cluster.address:
         return None
-    from streamrl.controller.shipping import package_policy
+    from streamrl.models.shipping import package_policy
     from streamrl.models.hf import resolve_policy_path
 
     return ray.put(package_policy(resolve_policy_path(cfg.policy.path)))
@@ -254,7 +254,7 @@ class DisaggPipeline(Pipeline):
         self.scaler = None
         if cfg.generation.elastic:
             from streamrl.placement import elastic_max
-            from streamrl.policies.elastic import ElasticScaler
+            from streamrl.scheduling.elastic import ElasticScaler
 
             g = cfg.generation
             self.scaler = ElasticScaler(g.min_instances, elastic_max(cfg), g.scale_down_patience, g.scale_down_margin,
@@ -544,7 +544,7 @@ class DisaggPipeline(Pipeline):
         """Write a checkpoint a trainer on another node returned (``files``; None: it wrote it)."""
         if files is None:
             return
-        from streamrl.controller.shipping import unpack_dir
+        from streamrl.models.shipping import unpack_dir
 
         unpack_dir(files["checkpoint"], path)
         if keep_as and files["keep"] is not None:
@@ -566,7 +566,7 @@ class DisaggPipeline(Pipeline):
         return partial == 0 and self._tget(self.trainer.version.remote(), "version") == iteration + 1
 
     def load(self, path: str) -> dict:
-        from streamrl.controller.shipping import pack_dir
+        from streamrl.models.shipping import pack_dir
 
         extra = self._tget(self.trainer.load.remote(pack_dir(path) if self._ship else path), "load")
         self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), self._tget(self.trainer.version.remote(), "version"))

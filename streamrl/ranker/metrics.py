@@ -5,7 +5,7 @@ rank-based. All functions are pure numpy.
 
 - ``recall_at_top(true, scores, frac)``: of the true longest ``k = max(1, round(frac * n))``
   samples, the fraction found among the ``k`` highest scores (the paper's Table 4 metric; the
-  same ``k`` as ``streamrl.sim.workload.top_recall``).
+  same ``k`` as ``streamrl.lab.sim.workload.top_recall``).
 
   **Ties.** Ties are broken uniformly at random, independently for the true lengths and for the
   scores, and the function returns the *expected* recall under that tie-breaking, computed

@@ -46,7 +46,7 @@ class GenerationInstance:
         from streamrl.models.tiny import load_policy
         from streamrl.sgs.engines.base import make_engine
 
-        from streamrl.controller.shipping import materialize_policy
+        from streamrl.models.shipping import materialize_policy
 
         cfg = config_from_dict(cfg_tree)
         self.name = name

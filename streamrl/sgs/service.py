@@ -24,12 +24,12 @@ Exactly once: every submitted request is recorded until its completion is handed
 a request already handed out (or never submitted) is dropped and counted (``sgs/duplicates``).
 A new instance first installs the current weights, so it never generates with a stale version.
 
-Rebalancing (beyond the paper, ``policies.rebalance``; docs/design.md): instances then hold
+Rebalancing (beyond the paper, ``scheduling.rebalance``; docs/design.md): instances then hold
 submitted requests in their own queue and give the engine only a batch plus a little slack
 (``instance.py``). At most every ``generation.rebalance_interval_s``, and only while a check could
 act (otherwise polls are plain: periodic progress calls take CPU from the instances), polls carry
 ``progress`` (held, queued, or running with n tokens) and ``remaining_estimate`` turns predictions
-into remaining lengths. ``policies.rebalance.plan_round`` (the simulator runs it too) acts only
+into remaining lengths. ``scheduling.rebalance.plan_round`` (the simulator runs it too) acts only
 when some instance has free batch slots and the remaining times differ by more than
 ``generation.rebalance_threshold``, moving at most as many requests into an instance as it has
 free slots (work stealing). The source ``preempt``s them: a not-started request moves as it is,
@@ -63,10 +63,10 @@ import ray
 from streamrl.config import Config
 from streamrl.errors import GenerationFailed, TrainerFailed
 from streamrl.placement import PlacementPlan, gen_labels, plan_placement
-from streamrl.policies.dispatch import make_dispatch_policy
-from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
-from streamrl.policies.order import make_order_policy
-from streamrl.policies.rebalance import Unfinished, has_free_slots, plan_round
+from streamrl.scheduling.dispatch import make_dispatch_policy
+from streamrl.scheduling.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile
+from streamrl.scheduling.order import make_order_policy
+from streamrl.scheduling.rebalance import Unfinished, has_free_slots, plan_round
 from streamrl.ranker.online import OnlineRanker, batch_rank_metrics, make_online_ranker, state_dict_of
 from streamrl.sgs.instance import GenerationInstance
 from streamrl.types import Completion, Event, GenRequest, Partial, Progress

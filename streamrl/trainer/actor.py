@@ -50,7 +50,7 @@ class IterationTrainer:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from streamrl.config import config_from_dict
-        from streamrl.controller.shipping import materialize_policy
+        from streamrl.models.shipping import materialize_policy
         from streamrl.trainer.trainer import Trainer
 
         cfg = config_from_dict(cfg_tree)
@@ -190,7 +190,7 @@ class IterationTrainer:
         try:
             self.trainer.save_checkpoint(target, {**extra, "lineage": list(self.lineage)})
             if ship:
-                from streamrl.controller.shipping import pack_dir
+                from streamrl.models.shipping import pack_dir
 
                 out = {"checkpoint": pack_dir(target), "keep": pack_dir(f"{target}/policy") if keep_as else None}
             elif keep_as:
@@ -208,7 +208,7 @@ class IterationTrainer:
 
         local = None
         if isinstance(path, dict):
-            from streamrl.controller.shipping import unpack_dir
+            from streamrl.models.shipping import unpack_dir
 
             local = tempfile.mkdtemp(prefix="streamrl-ckpt-")
             path = str(unpack_dir(path, f"{local}/checkpoint"))

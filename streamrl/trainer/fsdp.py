@@ -137,7 +137,7 @@ class FSDPRank:
         cfg = config_from_dict(self.cfg_tree)
         self.tcfg, self.temperature = cfg.trainer, cfg.generation.temperature
         torch.manual_seed(cfg.run.seed)
-        from streamrl.controller.shipping import materialize_policy
+        from streamrl.models.shipping import materialize_policy
 
         self.model, self.tokenizer = load_policy(materialize_policy(self.policy_path or cfg.policy.path))
         self.model.train()

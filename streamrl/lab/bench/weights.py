@@ -1,6 +1,6 @@
 """`streamrl bench weights`: one weight update at a time across a shaped link, per method.
 
-On a multi-site cluster (``streamrl.cluster``: site A holds the trainer, site B at least two
+On a multi-site cluster (``streamrl.lab.cluster``: site A holds the trainer, site B at least two
 nodes with a receiver each), a trainer actor takes real AdamW steps on a Qwen2-shaped model of
 the configured size and publishes each version; every receiver installs it the way a
 generation instance does (``WeightReceiver`` + a copy into a model of the same shape, which is
@@ -133,7 +133,7 @@ class WeightSink:
 
 def _update(cl, trainer, sinks: dict, parents: dict) -> dict:
     """One version to every sink; what crossed the link and each site, from the counters."""
-    from streamrl.cluster import node_rx_bytes
+    from streamrl.lab.cluster import node_rx_bytes
     from streamrl.weights.engine import tree_calls
 
     handle = ray.get(trainer.publish.remote())
@@ -160,7 +160,7 @@ def _update(cl, trainer, sinks: dict, parents: dict) -> dict:
 
 def run_inside(cluster_name: str, args) -> dict:
     """The bench itself, in the head's namespace (``RAY_ADDRESS`` set by ``cluster run``)."""
-    from streamrl.cluster import link_rate, load
+    from streamrl.lab.cluster import link_rate, load
     from streamrl.weights.tree import crossings, plan_tree
 
     cl = load(cluster_name)
@@ -223,7 +223,7 @@ def run_inside(cluster_name: str, args) -> dict:
 def bench_weights(args) -> dict:
     """Build the cluster (unless ``--cluster`` names one that is up), run the bench inside its
     head's namespace, take the cluster down (also on failure) and return the result."""
-    from streamrl import cluster as C
+    from streamrl.lab import cluster as C
 
     own = args.cluster is None
     name = args.cluster or "bw"

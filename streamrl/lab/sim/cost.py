@@ -51,9 +51,9 @@ from typing import Sequence
 
 import numpy as np
 
-from streamrl.policies.latency import LatencyModel
-from streamrl.sim.hardware import Gpu
-from streamrl.sim.models import ModelShape
+from streamrl.scheduling.latency import LatencyModel
+from streamrl.lab.sim.hardware import Gpu
+from streamrl.lab.sim.models import ModelShape
 
 ETA_MEM = 0.8
 T0 = 2.83e-3

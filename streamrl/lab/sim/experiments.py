@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from streamrl.sim.estimators import SimEstimator
-from streamrl.planner.plan import plan_cross_dc, plan_single_dc
-from streamrl.policies.elastic import ElasticRule
-from streamrl.sim.hardware import CROSS_DC_LINK, GPUS_PER_NODE, get_gpu
-from streamrl.sim.models import get_model
-from streamrl.sim.systems import Deployment, SystemSpec, get_system, run_system
-from streamrl.sim.workload import Workload, r1_workload
+from streamrl.lab.sim.estimators import SimEstimator
+from streamrl.lab.planner.plan import plan_cross_dc, plan_single_dc
+from streamrl.scheduling.elastic import ElasticRule
+from streamrl.lab.sim.hardware import CROSS_DC_LINK, GPUS_PER_NODE, get_gpu
+from streamrl.lab.sim.models import get_model
+from streamrl.lab.sim.systems import Deployment, SystemSpec, get_system, run_system
+from streamrl.lab.sim.workload import Workload, r1_workload
 
 E2E_SETUPS = (("qwen2.5-7b", 32), ("qwen2.5-32b", 64), ("qwen2.5-72b", 128))
 MAX_LENS = (5000, 10000, 20000)

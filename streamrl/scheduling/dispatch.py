@@ -27,7 +27,7 @@ inputs (and seed) give the same assignment, and nothing here imports Ray, torch 
 (``combine="max"``, the default). The two pools run at the same time on disjoint instances, so
 the generation stage ends when the slower pool ends: its makespan is the max. Minimising the sum
 can pick a split whose slower pool is slower than necessary just to shorten the faster pool,
-whose instances then sit idle anyway (``tests/test_policies.py`` has a hand-worked case where the
+whose instances then sit idle anyway (``tests/test_scheduling.py`` has a hand-worked case where the
 two criteria disagree). ``combine="sum"`` is kept to reproduce the paper's formula.
 """
 
@@ -38,7 +38,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel
+from streamrl.scheduling.latency import H800_QWEN7B_VLLM, LatencyModel
 
 
 class DispatchPolicy:

@@ -7,9 +7,9 @@ wall time from submitting the batch to its last sampled token (engine timestamps
     random + FIFO                    random dispatch, arrival order (the baseline)
     skew-aware + ranker              Algorithm 2 on the ranker's scores, LPT inside instances
     skew-aware + oracle              Algorithm 2 on the true lengths, LPT
-    ... each again + rebalance       ``policies.rebalance``, queued and running requests
+    ... each again + rebalance       ``scheduling.rebalance``, queued and running requests
     search + ranker / oracle         ``skewness-search``: Algorithm 2 with the long-tail fraction
-                                     searched and each split simulated (ours; policies/dispatch.py)
+                                     searched and each split simulated (ours; scheduling/dispatch.py)
     ... + ranker + hedged            the same dispatch with ``lpt-head`` inside instances
 
 Decoding is greedy, so a *recording run*'s lengths are the oracle for every later run (with
@@ -78,7 +78,7 @@ def lower_bound_s(lengths, latency, instances: int, batch: int, prompt_len: floa
     model a step costs ``kv`` per context token each running request holds, so generating token
     ``g`` of a sample (prompt ``p``) costs ``kv x (p + g)`` wherever and whenever it runs, and a
     sample of ``L`` tokens adds ``kv x (p L + L (L - 1) / 2)``. Shared by the instances."""
-    from streamrl.policies.dispatch import instance_makespan_s
+    from streamrl.scheduling.dispatch import instance_makespan_s
 
     sizes = [b for b, _ in latency.points if b <= batch] or [latency.points[0][0]]
     peak = max(latency.tokens_per_s(b) for b in sizes)
@@ -98,9 +98,9 @@ def _measure_latency(cfg: Config, batch: int, prompt_len: int, echo):
 
     from streamrl.sgs.engines.build import engine_kwargs
     from streamrl.models.tiny import load_policy
-    from streamrl.policies.latency import LatencyModel
+    from streamrl.scheduling.latency import LatencyModel
     from streamrl.sgs.engines.base import make_engine
-    from streamrl.profiling.decode import context_cost, profile_decode_latency
+    from streamrl.lab.profiling.decode import context_cost, profile_decode_latency
 
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch} | {batch})
     echo(f"scheduling: measuring PTL(BS) at batch sizes {sizes} (1 thread)")
@@ -168,7 +168,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     from streamrl.tasks.factory import make_task
     from streamrl.controller.driver import ensure_policy, init_ray
     from streamrl.models.tiny import load_policy
-    from streamrl.policies.latency import latency_to_dict, load_profile
+    from streamrl.scheduling.latency import latency_to_dict, load_profile
     from streamrl.ranker.base import make_ranker
     from streamrl.sgs.service import StreamGenerationService
 

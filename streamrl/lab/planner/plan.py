@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl.policies.balance import (Balance, balance_cross_dc, balance_single_dc, flatness,
+from streamrl.scheduling.balance import (Balance, balance_cross_dc, balance_single_dc, flatness,
                                        sweep_cross_dc, sweep_single_dc)
 
 

@@ -41,7 +41,7 @@ def data_dir() -> Path:
     env = os.environ.get("STREAMRL_DATA_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    return Path(__file__).resolve().parents[3].parent / "shared" / "data"
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from streamrl.policies.latency import LatencyModel
-from streamrl.sim import cost as C
-from streamrl.sim.hardware import Gpu
-from streamrl.sim.models import ModelShape
-from streamrl.sim.systems import Deployment, SystemSpec, generate, get_system, stream_period
-from streamrl.sim.workload import Batch, Workload
+from streamrl.scheduling.latency import LatencyModel
+from streamrl.lab.sim import cost as C
+from streamrl.lab.sim.hardware import Gpu
+from streamrl.lab.sim.models import ModelShape
+from streamrl.lab.sim.systems import Deployment, SystemSpec, generate, get_system, stream_period
+from streamrl.lab.sim.workload import Batch, Workload
 
 TP_CHOICES = (1, 2, 4, 8)
 TP_POLICIES = ("min-fit", "search")
@@ -43,7 +43,7 @@ TP_FIXED: dict[str, int] = {}
 def parse_tp(text: str | None) -> tuple[str, dict[str, int]]:
     """``--tp``: a policy (``min-fit`` | ``search``), model degrees (``7b=1,32b=4,72b=8``, sizes
     or full model names), or both (``search,72b=4``) -> ``(policy, {model name: tp})``."""
-    from streamrl.sim.models import MODELS
+    from streamrl.lab.sim.models import MODELS
 
     out: dict[str, int] = {}
     policy = "min-fit"
@@ -154,8 +154,8 @@ class ProfileEstimator:
         if x < self.instance_devices:
             return math.inf
         if x not in self._cache:
-            from streamrl.sim.models import MODELS
-            from streamrl.sim.hardware import GPUS
+            from streamrl.lab.sim.models import MODELS
+            from streamrl.lab.sim.hardware import GPUS
 
             dep = self.deployment(x - x % self.instance_devices, 1, MODELS["qwen2.5-7b"], GPUS["H800"])
             self._cache[x] = generate(self.batch, self.system, dep, self.history, self.seed).makespan_s

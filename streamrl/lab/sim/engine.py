@@ -16,7 +16,7 @@ admitted request is preempted (vLLM's recompute policy: it returns to the head o
 its prompt plus generated tokens are prefilled again on re-admission).
 
 Rebalancing (beyond the paper; after Seer's critique of atomic dispatch; ``rebalance``) runs the
-live SGS's check, ``policies.rebalance.plan_round``, whenever an instance with free batch slots has
+live SGS's check, ``scheduling.rebalance.plan_round``, whenever an instance with free batch slots has
 an empty queue: that instance takes the requests the check moves to it, queued ones on other
 instances (they have not started, so moving them costs nothing) and, with ``Rebalancing.running``
 (the live default), running ones, each at most once: the source stops it at the decode step in
@@ -40,8 +40,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from streamrl.policies.latency import LatencyModel
-from streamrl.policies.rebalance import Unfinished, plan_round
+from streamrl.scheduling.latency import LatencyModel
+from streamrl.scheduling.rebalance import Unfinished, plan_round
 
 
 class DecodeCost(Protocol):

@@ -25,7 +25,7 @@ Assumptions of the simulated tiny setup (each printed by the command):
   whenever ``trainer.step_tokens`` are buffered. The stream unit is one sample (PPO's).
 - **Colocated**: one worker with ``cluster.num_cpus`` threads for both stages, as the live
   ``ColocatedWorker``. Its costs are the profile's ``"colocated"`` numbers (measured in the
-  worker's process layout: ``profiling.live.measure_colocated``) when it has them, else the
+  worker's process layout: ``profiling.measure.measure_colocated``) when it has them, else the
   1-thread numbers scaled by the bench JSON's ``thread_scaling`` rows, else the 1-thread numbers.
   The switch between the stages (``WEIGHT_INSTALL_S``) is charged once per iteration.
 - **Overlap**: in stream-sync and stream-async an instance decodes while the trainer trains. The
@@ -49,12 +49,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from streamrl.modes import MODE_NAMES as MODES
-from streamrl.policies.latency import LatencyModel, latency_from_dict
-from streamrl.sim import cost as C
-from streamrl.sim import systems as S
-from streamrl.sim.hardware import get_gpu
-from streamrl.sim.models import ModelShape
-from streamrl.sim.workload import Batch
+from streamrl.scheduling.latency import LatencyModel, latency_from_dict
+from streamrl.lab.sim import cost as C
+from streamrl.lab.sim import systems as S
+from streamrl.lab.sim.hardware import get_gpu
+from streamrl.lab.sim.models import ModelShape
+from streamrl.lab.sim.workload import Batch
 
 WITHIN = 0.2
 LENGTH_KEYS = ("length", "response_len", "num_response_tokens", "response_tokens", "out_len", "output_len", "resp_len")

@@ -40,7 +40,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
-from streamrl.policies.latency import LatencyModel
+from streamrl.scheduling.latency import LatencyModel
 
 
 MIN_MOVE_TOKENS = 8  # a running request predicted to finish within this many tokens is not moved

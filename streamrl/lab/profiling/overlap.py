@@ -10,7 +10,7 @@ in a separate process, exactly as the live system places them (one Ray actor eac
     load process: train    (the policy, AdamW steps on sequences of the workload's length)
     this process: decode   decode_rows            -> decode_slowdown = overlapped / alone
 
-``python -m streamrl.profiling.overlap decode|train CONFIG_JSON THREADS SEQ_LEN`` is the load
+``python -m streamrl.lab.profiling.overlap decode|train CONFIG_JSON THREADS SEQ_LEN`` is the load
 process: it prints ``ready`` once it works and runs until it is killed. ``simulate modes``
 applies the slowdowns to the stream modes (``sim.live``).
 """
@@ -37,7 +37,7 @@ class Load:
         self._cfg_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump(cfg.model_dump(), self._cfg_file)
         self._cfg_file.close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "streamrl.profiling.overlap", kind, self._cfg_file.name,
+        self.proc = subprocess.Popen([sys.executable, "-m", "streamrl.lab.profiling.overlap", kind, self._cfg_file.name,
                                       str(threads), str(seq_len)], stdout=subprocess.PIPE, text=True)
 
     def __enter__(self) -> "Load":
@@ -64,7 +64,7 @@ def measure_overlap(cfg: Config, model, tokenizer, samples: list, decode_points:
                     batch_sizes: Sequence[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
     """The trainer timed under a decoding load, and decode latency under a training load (module
     docstring), against the solo numbers ``train`` and ``decode_points`` of the same profile."""
-    from streamrl.profiling.live import decode_engine, decode_rows, measure_train
+    from streamrl.lab.profiling.measure import decode_engine, decode_rows, measure_train
 
     g_threads, t_threads = cfg.generation.threads_per_instance, cfg.trainer.threads
     seq_len = int(np.mean([len(s.completion.prompt_ids) + len(s.completion.output_ids) for s in samples]))
@@ -85,13 +85,13 @@ def measure_overlap(cfg: Config, model, tokenizer, samples: list, decode_points:
             "decode_slowdown": float(np.median(list(per_batch.values()))),
             "decode_slowdown_per_batch": per_batch, "train_under_decode": busy_train,
             "decode_points_under_train": busy_points, "load_seq_len": seq_len,
-            "method": "each stage timed while the other runs in a separate process (streamrl.profiling.overlap)"}
+            "method": "each stage timed while the other runs in a separate process (streamrl.lab.profiling.overlap)"}
 
 
 def _decode_load(cfg: Config, threads: int) -> None:
     from streamrl.models.tiny import load_policy
-    from streamrl.profiling.decode import random_prompts
-    from streamrl.profiling.live import decode_engine
+    from streamrl.lab.profiling.decode import random_prompts
+    from streamrl.lab.profiling.measure import decode_engine
     from streamrl.types import GenRequest
 
     model, tok = load_policy(cfg.policy.path)

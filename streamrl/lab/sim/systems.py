@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 
 from streamrl.modes import get_mode
-from streamrl.policies.dispatch import make_dispatch_policy
-from streamrl.policies.order import make_order_policy
-from streamrl.sim import cost as C
-from streamrl.sim.engine import GenResult, Rebalancing, simulate_generation
-from streamrl.sim.hardware import Gpu, Link, get_gpu, node_link, weight_push_s
-from streamrl.sim.models import ModelShape, get_model
-from streamrl.sim.workload import Batch, Workload
+from streamrl.scheduling.dispatch import make_dispatch_policy
+from streamrl.scheduling.order import make_order_policy
+from streamrl.lab.sim import cost as C
+from streamrl.lab.sim.engine import GenResult, Rebalancing, simulate_generation
+from streamrl.lab.sim.hardware import Gpu, Link, get_gpu, node_link, weight_push_s
+from streamrl.lab.sim.models import ModelShape, get_model
+from streamrl.lab.sim.workload import Batch, Workload
 
 MIN_TOKENS_PER_GPU = 8192
 """A dynamic batch starts once it holds this many tokens per training GPU (assumption: one
@@ -91,7 +91,7 @@ SYSTEMS: dict[str, SystemSpec] = {s.name: s for s in (
                description="beyond paper: staleness 2, partial rollout"),
     SystemSpec("stream-async-k4-partial", "stream-async", max_staleness=4, partial=True,
                description="beyond paper: staleness 4, partial rollout"),
-    SystemSpec("stream-async-rebal", "stream-async", rebalance=True, description="beyond paper: runtime rebalancing, queued and running requests (policies.rebalance)"),
+    SystemSpec("stream-async-rebal", "stream-async", rebalance=True, description="beyond paper: runtime rebalancing, queued and running requests (scheduling.rebalance)"),
 )}
 
 

@@ -15,7 +15,7 @@ backend works) or a plain transformers causal LM (measured with its own KV-cache
 Engines must be built without a reachable EOS (``eos_token_id=None``) so every request runs to
 ``new_tokens``; a request that stops early raises.
 
-``python -m streamrl.profiling.decode`` prints the tables for the ~1M-param tiny Qwen2.
+``python -m streamrl.lab.profiling.decode`` prints the tables for the ~1M-param tiny Qwen2.
 """
 
 from __future__ import annotations

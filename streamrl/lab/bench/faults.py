@@ -256,7 +256,7 @@ def bench_faults(cfg: Config, cfg_args: list[str], out_root: Path, kills: int, r
     """The fault-free run, then the run with ``kills`` instance kills and ``restarts`` driver
     restarts at seeded random times within the fault-free run's duration."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2])] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        [str(Path(__file__).resolve().parents[3])] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     schedule = scheduled_ids(cfg)
     rows = []
     echo("fault-free run ...")

@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from streamrl.policies.balance import balance_cross_dc, balance_single_dc
-from streamrl.policies.dispatch import make_dispatch_policy, skewness_split
-from streamrl.policies.elastic import ElasticRule, should_add_instance
-from streamrl.policies.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile, save_profile
-from streamrl.policies.order import make_order_policy
+from streamrl.scheduling.balance import balance_cross_dc, balance_single_dc
+from streamrl.scheduling.dispatch import make_dispatch_policy, skewness_split
+from streamrl.scheduling.elastic import ElasticRule, should_add_instance
+from streamrl.scheduling.latency import H800_QWEN7B_VLLM, LatencyModel, load_profile, save_profile
+from streamrl.scheduling.order import make_order_policy
 
 FLAT = LatencyModel(((1, 10.0), (2, 10.0)))  # 10 ms/token at any batch size
 
@@ -194,7 +194,7 @@ def test_skewness_aware_uses_history_quantiles_not_the_predictions():
 
 
 def test_rebalance_moves_queued_requests_to_an_idle_instance_hand_worked():
-    from streamrl.policies.rebalance import plan_moves, remaining_time_s
+    from streamrl.scheduling.rebalance import plan_moves, remaining_time_s
 
     # 10 ms/token, batch 2. a: 4 x 100 tokens (a1, a2 running; a3, a4 queued): T = 0.01*max(400/2, 100) = 2.0
     assert remaining_time_s([100] * 4, FLAT, 2) == pytest.approx(2.0)
@@ -209,7 +209,7 @@ def test_rebalance_moves_queued_requests_to_an_idle_instance_hand_worked():
 
 
 def test_rebalance_picks_the_move_that_most_shortens_the_makespan():
-    from streamrl.policies.rebalance import plan_moves
+    from streamrl.scheduling.rebalance import plan_moves
 
     # a: running 50, 50; queued 120, 30, 30 -> T_a = 0.01*max(280/2, 120) = 1.4; b idle.
     # moving 120: max(0.01*max(160/2, 50), 1.2) = 1.2; moving a 30: max(1.25, 0.3) = 1.25 -> 120 goes.
@@ -220,7 +220,7 @@ def test_rebalance_picks_the_move_that_most_shortens_the_makespan():
 
 
 def test_rebalance_leaves_small_gaps_and_running_requests_alone():
-    from streamrl.policies.rebalance import plan_moves
+    from streamrl.scheduling.rebalance import plan_moves
 
     # a 1.5 vs b 1.0: moving a 100 would make b 1.5 -> no gain, no move
     near = {"a": [("a1", 100), ("a2", 100), ("a3", 100)], "b": [("b1", 100), ("b2", 100)]}
@@ -232,7 +232,7 @@ def test_rebalance_leaves_small_gaps_and_running_requests_alone():
 
 
 def test_rebalance_round_steals_into_free_slots_from_progress_hand_worked():
-    from streamrl.policies.rebalance import Unfinished, plan_round
+    from streamrl.scheduling.rebalance import Unfinished, plan_round
 
     def u(rid, predicted, generated=0, started=False, may_move=True):
         return Unfinished(rid, predicted, generated, 200, started, may_move)
@@ -261,7 +261,7 @@ def test_rebalance_round_steals_into_free_slots_from_progress_hand_worked():
 
 
 def test_rebalance_rejects_bad_input_naming_the_value():
-    from streamrl.policies.rebalance import plan_moves
+    from streamrl.scheduling.rebalance import plan_moves
 
     with pytest.raises(ValueError, match="threshold=1.5"):
         plan_moves({"a": []}, {}, FLAT, threshold=1.5)
@@ -272,7 +272,7 @@ def test_rebalance_rejects_bad_input_naming_the_value():
 
 
 def test_instance_makespan_follows_the_running_count_hand_worked():
-    from streamrl.policies.dispatch import instance_makespan_s
+    from streamrl.scheduling.dispatch import instance_makespan_s
 
     # PTL(1) = 1 s, PTL(2) = 1.5 s. Lengths 3 and 2 together: 2 steps at 1.5 s, then 1 at 1 s.
     lat = LatencyModel(((1, 1000.0), (2, 1500.0)))
@@ -287,7 +287,7 @@ def test_instance_makespan_follows_the_running_count_hand_worked():
 
 
 def test_skewness_search_isolates_the_tail_when_big_batches_are_slow():
-    from streamrl.policies.dispatch import instance_makespan_s
+    from streamrl.scheduling.dispatch import instance_makespan_s
 
     # PTL grows 4x from 1 to 32 running: one 100-token request among twenty 10-token ones on two
     # instances. Alone, it takes 100 x PTL(1); in a big batch much longer. The paper's fixed 20 %
@@ -316,7 +316,7 @@ def test_skewness_search_rejects_bad_alphas():
 
 
 def test_instance_makespan_pays_for_context_when_the_profile_has_a_kv_cost():
-    from streamrl.policies.dispatch import instance_makespan_s
+    from streamrl.scheduling.dispatch import instance_makespan_s
 
     # PTL 1 s at any batch size, 0.1 s per context token held; prompts of 2 tokens.
     lat = LatencyModel(((1, 1000.0), (2, 1000.0)), extra={"kv_ms_per_token": 100.0})
@@ -330,7 +330,7 @@ def test_instance_makespan_pays_for_context_when_the_profile_has_a_kv_cost():
 
 
 def test_remaining_estimate_uses_progress_and_the_recent_overshoot_hand_worked():
-    from streamrl.policies.rebalance import remaining_estimate
+    from streamrl.scheduling.rebalance import remaining_estimate
 
     recent = sorted([10, 20, 30, 40, 100])
     assert remaining_estimate(50, 12, 200, recent) == 38  # below its prediction: the difference
@@ -342,7 +342,7 @@ def test_remaining_estimate_uses_progress_and_the_recent_overshoot_hand_worked()
 
 
 def test_predicted_generation_time_scales_with_instances_but_not_below_the_longest_request():
-    from streamrl.policies.elastic import predict_gen_time
+    from streamrl.scheduling.elastic import predict_gen_time
 
     assert predict_gen_time(12.0, 2, 3, t_tail=1.0) == pytest.approx(8.0)
     assert predict_gen_time(12.0, 2, 4, t_tail=9.0) == 9.0  # the tail: one request runs alone
@@ -350,7 +350,7 @@ def test_predicted_generation_time_scales_with_instances_but_not_below_the_longe
 
 
 def test_elastic_scaler_adds_under_lag_removes_only_after_patience_and_does_not_flap():
-    from streamrl.policies.elastic import ElasticScaler
+    from streamrl.scheduling.elastic import ElasticScaler
 
     sc = ElasticScaler(min_instances=1, max_instances=3, patience=3, margin=0.25)
     assert sc.decide(1, t_gen=10.0, t_train=4.0, t_tail=1.0) == 1   # lag 6 >= the 5 one more instance saves
