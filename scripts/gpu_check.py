@@ -204,8 +204,10 @@ def check_streamrl_path(shape: str, device: str, batch: int, prompt_len: int, re
         model.save_pretrained(d)
         build_tokenizer(["0123456789 abc"]).save_pretrained(d)
         del model
-        rank = FSDPRank(0, 1, {"policy": {"path": d}, "trainer": {"micro_batch_tokens": 8 * (prompt_len + resp_len)}},
-                        d, "bfloat16" if device == "cuda" else "float32", threads=max(1, os.cpu_count() or 1))
+        from streamrl.config import config_from_dict
+
+        tree = {"policy": {"path": d}, "trainer": {"micro_batch_tokens": 8 * (prompt_len + resp_len)}}
+        rank = FSDPRank(0, 1, config_from_dict(tree), d, "bfloat16" if device == "cuda" else "float32", threads=max(1, os.cpu_count() or 1))
         out["backend"] = rank.setup("127.0.0.1", _free_port(), "nccl" if device == "cuda" else "gloo")
         try:
             g = torch.Generator().manual_seed(3)

@@ -166,7 +166,7 @@ def test_weights_whose_trainer_died_are_reported_as_a_trainer_failure(ray_sessio
     from streamrl.trainer.actor import TrainerActor
 
     cfg = _cfg(tiny_policy_dir)
-    trainer = TrainerActor.options(num_cpus=0).remote(cfg.model_dump(), 1, 0)
+    trainer = TrainerActor.options(num_cpus=0).remote(cfg, 1, 0)
     handle = ray.get(trainer.publish.remote())  # the trainer actor owns the buffer
     sgs = StreamGenerationService(cfg)
     sgs.add_instance()

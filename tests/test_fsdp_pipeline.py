@@ -88,8 +88,8 @@ def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_sessi
     from streamrl.weights.transfer import RayObjectStoreTransport
 
     common = ["mode=stream-sync", "trainer.step_tokens=30", "trainer.lr=1e-3", "trainer.grad_clip=1000"]
-    single = IterationTrainer(_cfg(tiny_policy_dir, *common).model_dump(), 1, 1)
-    fsdp = IterationTrainer(_cfg(tiny_policy_dir, *common, *FSDP).model_dump(), 1, 1)
+    single = IterationTrainer(_cfg(tiny_policy_dir, *common), 1, 1)
+    fsdp = IterationTrainer(_cfg(tiny_policy_dir, *common, *FSDP), 1, 1)
     try:
         groups = group_samples(real_samples(single.trainer.model, single.trainer.tokenizer, PAIRS, REWARDS))
         start = single.parameters_vector()

@@ -36,7 +36,7 @@ def _params(it: IterationTrainer) -> np.ndarray:
 
 def test_stream_sync_and_batch_sync_give_the_same_parameters(tiny_policy_dir):
     cfg = _cfg(tiny_policy_dir, "trainer.step_tokens=30", "trainer.lr=1e-2")
-    batch, stream = IterationTrainer(cfg.model_dump(), 1, 0), IterationTrainer(cfg.model_dump(), 1, 0)
+    batch, stream = IterationTrainer(cfg, 1, 0), IterationTrainer(cfg, 1, 0)
     groups = group_samples(real_samples(batch.trainer.model, batch.trainer.tokenizer, PAIRS, REWARDS))
     res_batch = batch.add_groups(0, groups, expected=len(groups))          # disagg-batch: all at once
     results = [stream.add_groups(0, [g], expected=len(groups)) for g in groups]  # stream-sync: one by one
@@ -75,7 +75,7 @@ _TRAINERS: dict = {}
 
 def _cached_trainer(policy_dir, bound):
     if (policy_dir, bound) not in _TRAINERS:
-        _TRAINERS[(policy_dir, bound)] = IterationTrainer(_cfg(policy_dir).model_dump(), 1, bound)
+        _TRAINERS[(policy_dir, bound)] = IterationTrainer(_cfg(policy_dir), 1, bound)
     return _TRAINERS[(policy_dir, bound)]
 
 

@@ -25,7 +25,7 @@ import time
 
 import ray
 
-from streamrl.config import config_from_dict
+from streamrl.config import Config
 from streamrl.sgs.engines.build import engine_kwargs, run_to_completion
 from streamrl.types import Completion, GenRequest, Sample
 
@@ -34,11 +34,11 @@ from streamrl.types import Completion, GenRequest, Sample
 class ColocatedWorker:
     """Engine and trainer in one process, time-sharing its CPUs."""
 
-    def __init__(self, cfg_tree: dict, threads: int) -> None:
+    def __init__(self, cfg: Config, threads: int) -> None:
         from streamrl.sgs.engines.base import make_engine
         from streamrl.trainer.trainer import Trainer
 
-        cfg = config_from_dict(cfg_tree)
+        cfg = cfg.model_copy(deep=True)
         cfg.trainer.threads = threads
         self.trainer = Trainer(cfg)
         engine_model = copy.deepcopy(self.trainer.model).eval()

@@ -147,7 +147,7 @@ class ColocatedPipeline(Pipeline):
             where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                            soft=False)}
         self.worker = ColocatedWorker.options(num_cpus=threads, **where, **cfg.cluster.actor_options()).remote(
-            cfg.model_dump(), threads)
+            cfg, threads)
         self.timeline = Timeline()
 
     def generate(self, requests: list[GenRequest]) -> list[Completion]:
@@ -230,7 +230,7 @@ class DisaggPipeline(Pipeline):
         policy = shipped_policy(cfg)
         self.trainer = TrainerActor.options(num_cpus=trainer_cpus, resources=labels,
                                             **cfg.cluster.actor_options()).remote(
-            cfg.model_dump(), cfg.trainer.threads, self.max_staleness, policy)
+            cfg, cfg.trainer.threads, self.max_staleness, policy)
         # A trainer on another node than the driver returns its checkpoints as files (controller.shipping).
         # The first answer also waits for the actor's start (imports, loading the policy), which is
         # not a step: it gets at least TRAINER_START_TIMEOUT_S, whatever run.trainer_timeout_s says.

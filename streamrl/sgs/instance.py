@@ -30,25 +30,24 @@ import time
 
 import ray
 
+from streamrl.config import Config
 from streamrl.memory import release_free_memory
 from streamrl.types import Event, Partial, Progress
 
 
 @ray.remote(max_concurrency=4)
 class GenerationInstance:
-    def __init__(self, name: str, cfg_tree: dict, policy_path: str, threads: int, seed: int,
+    def __init__(self, name: str, cfg: Config, policy_path: str, threads: int, seed: int,
                  hold_back: bool = False, engine_overrides: dict | None = None) -> None:
         import os
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from streamrl.config import config_from_dict
         from streamrl.sgs.engines.build import engine_kwargs
         from streamrl.models.tiny import load_policy
         from streamrl.sgs.engines.base import make_engine
 
         from streamrl.models.shipping import materialize_policy
 
-        cfg = config_from_dict(cfg_tree)
         self.name = name
         policy_path = materialize_policy(policy_path)  # a package the driver shipped: written on this node
         if cfg.generation.engine == "vllm":  # vLLM loads the checkpoint directory itself

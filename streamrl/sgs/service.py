@@ -205,7 +205,7 @@ class StreamGenerationService:
         name = next(self._names)
         options = self._instance_options(self.counters["sgs/instances_added"])
         actor = GenerationInstance.options(**options, **self.cfg.cluster.actor_options(), name=None).remote(
-            name, self.cfg.model_dump(), self.policy_path, g.threads_per_instance, self.cfg.run.seed + len(self.instances),
+            name, self.cfg, self.policy_path, g.threads_per_instance, self.cfg.run.seed + len(self.instances),
             hold_back=self.hold_back, engine_overrides=self.engine_overrides)
         try:
             ray.get(actor.ready.remote(), timeout=g.replacement_timeout_s)

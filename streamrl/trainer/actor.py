@@ -32,6 +32,7 @@ import time
 
 import ray
 
+from streamrl.config import Config
 from streamrl.memory import release_free_memory
 from streamrl.types import Event, Sample, TrainResult
 
@@ -43,17 +44,16 @@ class StalenessError(RuntimeError):
 class IterationTrainer:
     """The actor's logic as a plain class (tests drive it without Ray)."""
 
-    def __init__(self, cfg_tree: dict, threads: int, max_staleness: int, policy=None) -> None:
+    def __init__(self, cfg: Config, threads: int, max_staleness: int, policy=None) -> None:
         """``policy``: a ``controller.shipping.PolicyPackage`` when the driver ships the policy
         (a run on a multi-node cluster), else None (``policy.path`` is read here)."""
         import os
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from streamrl.config import config_from_dict
         from streamrl.models.shipping import materialize_policy
         from streamrl.trainer.trainer import Trainer
 
-        cfg = config_from_dict(cfg_tree)
+        cfg = cfg.model_copy(deep=True)  # this process's own copy: the thread count is set here
         cfg.trainer.threads = threads
         self.cfg = cfg
         if cfg.trainer.backend == "fsdp":

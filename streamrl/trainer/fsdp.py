@@ -109,11 +109,11 @@ class FSDPRank:
     rank's share of each optimizer step. ``FSDPTrainerGroup`` runs one per rank as a Ray actor;
     every method after ``setup`` is a collective (call it on every rank, in lockstep)."""
 
-    def __init__(self, rank: int, world_size: int, cfg_tree: dict, policy_path: str | None, param_dtype: str,
+    def __init__(self, rank: int, world_size: int, cfg: Config, policy_path: str | None, param_dtype: str,
                  threads: int) -> None:
         torch.set_num_threads(threads)
         self.rank, self.world_size = rank, world_size
-        self.cfg_tree, self.policy_path, self.param_dtype = cfg_tree, policy_path, param_dtype
+        self.cfg, self.policy_path, self.param_dtype = cfg, policy_path, param_dtype
         self._publisher = None  # rank 0's weights.engine.WeightPublisher, made at the first publish
 
     def endpoint(self) -> tuple[str, int]:
@@ -130,11 +130,10 @@ class FSDPRank:
     def setup(self, master_addr: str, master_port: int, backend: str | None) -> str:
         """Join the process group, load the policy (as ``Trainer`` does: same seed, same weights)
         and shard it; returns the backend."""
-        from streamrl.config import config_from_dict
         from streamrl.models.tiny import load_policy
 
         backend = init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
-        cfg = config_from_dict(self.cfg_tree)
+        cfg = self.cfg
         self.tcfg, self.temperature = cfg.trainer, cfg.generation.temperature
         torch.manual_seed(cfg.run.seed)
         from streamrl.models.shipping import materialize_policy
@@ -206,10 +205,9 @@ class FSDPRank:
         if self.rank != 0:
             return None
         if self._publisher is None:
-            from streamrl.config import config_from_dict
             from streamrl.weights.engine import WeightPublisher
 
-            w = config_from_dict(self.cfg_tree).weights
+            w = self.cfg.weights
             self._publisher = WeightPublisher(w.wire_dtype, w.delta, w.bucket_mb)
         return self._publisher.publish(state, version)
 
@@ -323,7 +321,7 @@ class FSDPTrainerGroup:
             self.workers.append(rank_actor.options(
                 num_cpus=b.get("CPU", 1), num_gpus=b.get("GPU", 0), resources=labels, **cfg.cluster.actor_options(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote(rank, self.world_size, cfg.model_dump(), policy_path, dtype, max(1, int(b.get("CPU", 1)))))
+            ).remote(rank, self.world_size, cfg, policy_path, dtype, max(1, int(b.get("CPU", 1)))))
         addr, port = ray.get(self.workers[0].endpoint.remote())
         self.backend = ray.get([w.setup.remote(addr, port, backend) for w in self.workers])[0]
 
