@@ -2,21 +2,14 @@
 
 Each Ray node runs in its own network namespace (``<name>-<site><i>``, e.g. ``srl-B1``) with one
 veth into its site's bridge; sites' bridges are joined by a veth pair per link, shaped in both
-directions with ``tbf`` (the token-bucket qdisc: ``netem`` is not needed and often absent). All
-nodes share one flat 10.77.0.0/16 segment, so no routing is involved and nothing outside the
-namespaces can reach or be reached: the bridges carry no address. The first node of the first
-site is the Ray head; the driver of a run must run inside the head's namespace
-(``streamrl cluster run -- CMD``, or ``Cluster.exec_argv``).
+directions. The first node of the first site is the Ray head; the driver of a run must run
+inside the head's namespace (``streamrl cluster run -- CMD``, or ``Cluster.exec_argv``).
 
-Every node is labelled with Ray custom resources: ``site_<S>`` (one per CPU, so a request for
-``{"site_B": 1}`` lands in site B), ``node_<S><i>`` and, when a site names a device type,
-``<type>`` as ``placement`` uses. The bytes that crossed a link are read from its veth's
-interface counters (``/proc/1/net/dev``, the host namespace's), which count what really went through
-the shaped device.
-
-``up`` writes the state to ``<root>/cluster.json`` and ``down`` reads it; ``down`` also removes
-anything with the cluster's prefix it finds, so a lost state file or a half-built cluster
-leaves nothing behind. Needs root and ``ip netns``; ``unavailable()`` says why not.
+Invariants: nothing outside the namespaces can reach or be reached (one flat 10.77.0.0/16
+segment, no routing, bridges without an address); a link's bytes are read from its veths'
+interface counters (``link_bytes``), never computed; ``down`` removes everything with the
+cluster's prefix, so a lost state file or a half-built cluster leaves nothing behind. ``up``
+writes ``<root>/cluster.json``, ``load`` reads it. Needs root and ``ip netns`` (``unavailable()``).
 """
 
 from __future__ import annotations
@@ -266,6 +259,8 @@ def node_rx_bytes(node: NodeInfo) -> int:
 
 
 def _shape(dev: str, rate: str, netns: str | None = None) -> None:
+    """Shape ``dev``'s egress to ``rate`` with ``tbf`` (the token-bucket qdisc: ``netem`` is not
+    needed and often absent)."""
     bps = parse_rate(rate)
     # Burst: 10 ms at the rate, at least 64 KB so that segmentation-offloaded frames pass.
     burst = max(int(bps / 100), 65536)
@@ -315,6 +310,8 @@ def up(sites: list[SiteSpec], links: list[LinkSpec], name: str = "srl", cpus_per
                 _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
                 # A default route, so that Ray's own "which address is mine" probe finds eth0.
                 _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "dev", "eth0")
+                # Ray custom resources: site_<S> (one per CPU, so {"site_B": 1} lands in site B),
+                # node_<S><i> and, when the site names a device type, <type>, as ``placement`` uses.
                 res = {f"site_{site.name}": float(cpus_per_node), f"node_{node}": 1.0}
                 if site.gpu_type:
                     res[site.gpu_type] = float(cpus_per_node)

@@ -1,40 +1,14 @@
 """Train-and-evaluate protocols for output-length rankers, on any list of ``LengthRecord``.
 
-A record is one response: ``(key, text, length, step)`` — prompt identity, prompt text, output
+A record is one response: ``(key, text, length, step)``: prompt identity, prompt text, output
 length, and when it was generated (checkpoint / RL iteration; 0 for a static file). Loaders at
-``ranker/records.py`` turn the real data files and rollout logs into records.
+``ranker/records.py`` turn the real data files and rollout logs into records. Protocols:
+``prompt_folds``, ``sample_folds``, ``streaming`` and ``transfer``; ``evaluate`` runs one.
 
-Protocols (no evaluation sample is ever seen in training):
-
-- ``prompt_folds``: k-fold by prompt key; the ranker never saw the evaluation prompts. Each fold
-  is one batch (scores of models trained on different folds are never compared).
-- ``sample_folds``: within every prompt, its samples are split into k folds; the ranker trains
-  on the other folds of *all* prompts (RL's "same prompt, earlier epoch"). One batch per fold.
-- ``streaming``: steps in order; fit on the first step, then for each later step score it,
-  evaluate, and ``update`` with it (exactly the online refresh during RL). Metrics per step,
-  averaged weighted by the step's size: ranking only matters within one dispatch batch.
-- ``transfer``: fit on one record set, score another (e.g. another model's lengths on other
-  prompts).
-
-Beside each ranker, every protocol reports:
-- ``ceiling (seen)``: per sample, the mean length of its prompt's samples *that the ranker could
-  have seen* under that protocol (held-out prompts: none, so it is random);
-- ``oracle (other samples)``: the mean length of the prompt's other samples anywhere in the data,
-  including unseen ones (the data README's ceiling for a prompt-only ranker; NaN where no prompt
-  has two samples);
-- ``random``: exact expectation (recall = k/n, Spearman 0).
-- ``task solution (diagnostic)``, only when every text is a synthetic-task prompt: the length of
-  the task's correct response, computed by solving the prompt. Not a ranker (it parses the task)
-  but the best any model that learns the *task* can do: where it falls short of the oracle, the
-  policy's own mistakes set the lengths, and no prompt-only ranker of the task can rank them.
-
-Units (the ``unit`` column). ``sample``: every response ranked on its own. GRPO dispatches the
-group of one prompt's samples, so each row is also computed per group within a batch: truth the
-mean (``group-mean``) or max (``group-max``) of their lengths, score the mean of their scores;
-``n`` counts groups, and a batch with fewer than two is left out. The group oracle is ``oracle
-(other samples)`` (the prompt's samples outside the group) where every group has some, else
-``oracle (half vs half)`` (one alternate half of a group ranks the other; noisier truth, so a
-lower bound on the group-level noise ceiling).
+Invariants: no evaluation sample is ever seen in training; scores are compared only within one
+batch (ranking only matters within one dispatch batch); beside each ranker every protocol
+reports reference rows (``reference_rows``: ceiling, oracle, random), per sample and per prompt
+group (``UNITS``; ``group_metrics``).
 """
 
 from __future__ import annotations
@@ -90,7 +64,8 @@ def _score(ranker: Ranker, recs: Sequence[LengthRecord]) -> np.ndarray:
 
 def prompt_folds(records: Sequence[LengthRecord], factory: Callable[[], Ranker], k: int = 5,
                  seed: int = 0) -> list[Prediction]:
-    """k-fold by prompt key: evaluation prompts never seen in training; one batch per fold."""
+    """k-fold by prompt key: the ranker never saw the evaluation prompts. Each fold is one batch
+    (scores of models trained on different folds are never compared)."""
     keys = sorted({r.key for r in records})
     if len(keys) < k:
         raise ValueError(f"need at least k={k} prompts for prompt folds, got {len(keys)}")
@@ -106,7 +81,8 @@ def prompt_folds(records: Sequence[LengthRecord], factory: Callable[[], Ranker],
 
 def sample_folds(records: Sequence[LengthRecord], factory: Callable[[], Ranker], k: int = 2,
                  seed: int = 0) -> list[Prediction]:
-    """Split each prompt's samples into k folds; train on the others of every prompt. Batch per fold."""
+    """Split each prompt's samples into k folds; the ranker trains on the other folds of *all*
+    prompts (RL's "same prompt, earlier epoch"). One batch per fold."""
     by_key: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(records):
         by_key[r.key].append(i)
@@ -130,7 +106,9 @@ def sample_folds(records: Sequence[LengthRecord], factory: Callable[[], Ranker],
 
 def streaming(records: Sequence[LengthRecord], factory: Callable[[], Ranker], warmup_steps: int = 1,
               policy_at: Callable[[int], tuple[str, int] | None] | None = None) -> list[Prediction]:
-    """Fit on the first ``warmup_steps`` steps; then score each later step and update with it.
+    """Fit on the first ``warmup_steps`` steps; then score each later step, evaluate, and
+    ``update`` with it (exactly the online refresh during RL). Metrics per step, averaged
+    weighted by the step's size: ranking only matters within one dispatch batch.
 
     ``policy_at(version)``: for rankers that score with the current policy (``set_policy``), the
     checkpoint ``(path, version)`` to install before a step whose records were generated by
@@ -179,7 +157,8 @@ def checkpoint_resolver(folder: str | Path, lag: int = 1) -> Callable[[int], tup
 
 
 def transfer(train: Sequence[LengthRecord], test: Sequence[LengthRecord], factory: Callable[[], Ranker]) -> list[Prediction]:
-    """Fit on ``train``, score ``test`` (one pooled batch); the caller keeps the two disjoint."""
+    """Fit on one record set, score another (e.g. another model's lengths on other prompts): one
+    pooled batch; the two must share no prompt key."""
     overlap = {r.key for r in train} & {r.key for r in test}
     if overlap:
         raise ValueError(f"transfer train and test share {len(overlap)} prompt keys, e.g. {sorted(overlap)[:3]}")
@@ -236,7 +215,12 @@ def _reducer(unit: str) -> Callable:
 
 def group_metrics(preds: Iterable[Prediction], scores_of: Callable[[Prediction], np.ndarray],
                   unit: str) -> dict[str, float]:
-    """Metrics over prompt groups (``unit`` ``group-mean`` / ``group-max``; see the module docstring)."""
+    """Metrics over prompt groups (``unit`` ``group-mean`` / ``group-max``).
+
+    Unit ``sample`` ranks every response on its own. GRPO dispatches the group of one prompt's
+    samples, so each row is also computed per group within a batch: truth the mean
+    (``group-mean``) or max (``group-max``) of their lengths, score the mean of their scores;
+    ``n`` counts groups, and a batch with fewer than two is left out."""
     reduce = _reducer(unit)
     return _weighted_metrics([([float(reduce([r.length for r in recs])) for recs, _ in groups.values()],
                                [float(np.mean(scores)) for _, scores in groups.values()])
@@ -244,7 +228,9 @@ def group_metrics(preds: Iterable[Prediction], scores_of: Callable[[Prediction],
 
 
 def group_oracle(preds: Sequence[Prediction], all_records: Sequence[LengthRecord], unit: str) -> dict:
-    """The group-level oracle row: other samples of the prompt if every group has some, else half vs half."""
+    """The group-level oracle row: ``oracle (other samples)`` (the prompt's samples outside the
+    group) where every group has some, else ``oracle (half vs half)`` (one alternate half of a
+    group ranks the other; noisier truth, so a lower bound on the group-level noise ceiling)."""
     reduce = _reducer(unit)
     groups = _groups(preds, lambda p: np.zeros(len(p.records)))
     by_key: dict[str, list[LengthRecord]] = defaultdict(list)
@@ -269,7 +255,19 @@ def group_oracle(preds: Sequence[Prediction], all_records: Sequence[LengthRecord
 
 
 def reference_rows(preds: list[Prediction], all_records: Sequence[LengthRecord], unit: str = "sample") -> list[dict]:
-    """The ceiling (seen), oracle and random rows for one protocol's predictions, in ``unit``."""
+    """The ceiling (seen), oracle and random rows for one protocol's predictions, in ``unit``:
+
+    - ``ceiling (seen)``: per sample, the mean length of its prompt's samples *that the ranker
+      could have seen* under that protocol (held-out prompts: none, so it is random);
+    - ``oracle (other samples)``: the mean length of the prompt's other samples anywhere in the
+      data, including unseen ones (the data README's ceiling for a prompt-only ranker; NaN where
+      no prompt has two samples); per group, ``group_oracle``;
+    - ``random``: exact expectation (recall = k/n, Spearman 0);
+    - ``task solution (diagnostic)``, only when every text is a synthetic-task prompt: the length
+      of the task's correct response, computed by solving the prompt. Not a ranker (it parses
+      the task) but the best any model that learns the *task* can do: where it falls short of
+      the oracle, the policy's own mistakes set the lengths, and no prompt-only ranker of the
+      task can rank them."""
     if unit not in UNITS:
         raise ValueError(f"unknown unit {unit!r}; known: {UNITS}")
 

@@ -1,19 +1,13 @@
-"""Stage balancing, Algorithm 1 (PAPER.md §3.3).
+"""Stage balancing, Algorithm 1 (PAPER.md §3.3): how many devices generation and training get.
 
 ``P_gen(x)`` and ``P_train(y)`` are callables giving one iteration's stage time (seconds) on ``x``
-(or ``y``) devices, each with its best parallel configuration; return ``math.inf`` for a count
-that cannot run (e.g. the model does not fit). Device counts move in units (``gen_unit``: one
-generation instance's tensor-parallel size; ``train_unit``: e.g. one 8-GPU node), because a
+(or ``y``) devices, each with its best parallel configuration; they return ``math.inf`` for a
+count that cannot run (e.g. the model does not fit). Device counts move in units (``gen_unit``:
+one generation instance's tensor-parallel size; ``train_unit``: e.g. one 8-GPU node), because a
 generation instance or a trainer node is the smallest thing one can add.
 
-- Single datacenter, ``n`` devices: try every ``x + y <= n`` and keep the pair with the smallest
-  ``max(P_gen(x), P_train(y))``; ties (the slower side is unchanged) go to the pair whose faster
-  side is faster (spare devices speed up the side that is not the bottleneck, which shortens the
-  pipeline's fill and drain), then to fewer devices in total.
-- Cross datacenter, ``m`` generation devices in one site and ``n`` training devices in the other:
-  if generation is the faster side, shrink it to ``k = argmin_k |P_gen(k) - P_train(n)|``,
-  otherwise shrink training to ``k = argmin_k |P_train(k) - P_gen(m)|``; the freed devices go
-  back to other jobs. Ties go to the smaller ``k``.
+``balance_single_dc`` splits ``n`` devices; ``balance_cross_dc`` shrinks the faster of two sites.
+The ``sweep_*`` functions list the candidates each one chooses among. Pure functions.
 """
 
 from __future__ import annotations
@@ -51,7 +45,12 @@ def balance_single_dc(
     n: int, p_gen: StageTime, p_train: StageTime, gen_unit: int = 1, train_unit: int = 1,
     min_gen: int = 1, min_train: int = 1,
 ) -> Balance:
-    """Algorithm 1, single datacenter: the best ``(x, y)`` with ``x + y <= n``."""
+    """Algorithm 1, single datacenter: the best ``(x, y)`` with ``x + y <= n``.
+
+    Tries every pair and keeps the smallest ``max(P_gen(x), P_train(y))``; ties (the slower side
+    is unchanged) go to the pair whose faster side is faster (spare devices speed up the side
+    that is not the bottleneck, which shortens the pipeline's fill and drain), then to fewer
+    devices in total."""
     gen_time = {x: p_gen(x) for x in _counts(n, gen_unit, min_gen)}
     train_time = {y: p_train(y) for y in _counts(n, train_unit, min_train)}
     best: tuple | None = None
@@ -73,7 +72,12 @@ def balance_single_dc(
 def balance_cross_dc(
     m: int, n: int, p_gen: StageTime, p_train: StageTime, gen_unit: int = 1, train_unit: int = 1,
 ) -> Balance:
-    """Algorithm 1, cross datacenter: shrink the faster side until the two stage times match."""
+    """Algorithm 1, cross datacenter: shrink the faster side until the two stage times match.
+
+    ``m`` generation devices in one site, ``n`` training devices in the other. If generation is
+    the faster side, shrink it to ``k = argmin_k |P_gen(k) - P_train(n)|``, otherwise shrink
+    training to ``k = argmin_k |P_train(k) - P_gen(m)|``; the freed devices go back to other
+    jobs. Ties go to the smaller ``k``."""
     tg, tt = p_gen(m), p_train(n)
     if math.isinf(tg) or math.isinf(tt):
         raise ValueError(f"infeasible cross-DC setup: P_gen({m})={tg}, P_train({n})={tt}")

@@ -1,34 +1,13 @@
 """Dispatch policies: which generation instance gets each request (PAPER.md §3.7, Algorithm 2).
 
-Interface (one method)::
+Interface: ``policy.assign(predicted_lengths, num_instances) -> list[int]``, for each request
+(in the given order) the index of its instance; ``observe`` feeds finished lengths to policies
+that read the recent length distribution. Predicted lengths come from the output-length ranker.
 
-    policy.assign(predicted_lengths: Sequence[float], num_instances: int) -> list[int]
-
-returns, for each request (in the given order), the index of the instance it goes to. The
-predicted lengths come from the output-length ranker (only their order needs to be right for
-``skewness-aware``; ``least-loaded`` also uses their magnitudes). Policies are pure: the same
-inputs (and seed) give the same assignment, and nothing here imports Ray, torch or an engine.
-
-- ``random``: uniform random instance per request (seeded).
-- ``round-robin``: request ``i`` to instance ``i mod N``.
-- ``least-loaded``: in arrival order, each request to the instance with the smallest predicted
-  token load so far (ties to the lowest index); equal predictions reduce it to request counts.
-- ``skewness-aware`` (Algorithm 2): sort requests by predicted length; the top ``alpha`` are
-  long-tail, the rest regular. Estimate a long-tail sample's length by the P90 and a regular
-  one's by the P50 of the recent output-length distribution (``history``; the predictions
-  themselves when none is given). For every split ``N_long + N_regular = N`` predict each pool's
-  latency with ``PTL(BS) * L * ceil(M_pool_per_instance / BS)`` and keep the best split; inside a
-  pool, requests go longest-first to the instance with the least predicted load.
-- ``skewness-search`` (ours, beyond the paper): Algorithm 2 with the long-tail fraction searched
-  (0 included) and every candidate split simulated under the PTL model instead of the P90/P50
-  formula; see ``SkewSearchDispatch``.
-
-**Sum or max of the two pools' latencies.** The paper prints the *sum*; we minimise the *max*
-(``combine="max"``, the default). The two pools run at the same time on disjoint instances, so
-the generation stage ends when the slower pool ends: its makespan is the max. Minimising the sum
-can pick a split whose slower pool is slower than necessary just to shorten the faster pool,
-whose instances then sit idle anyway (``tests/test_scheduling.py`` has a hand-worked case where the
-two criteria disagree). ``combine="sum"`` is kept to reproduce the paper's formula.
+Invariants: policies are pure (the same inputs and seed give the same assignment) and nothing
+here imports Ray, torch or an engine. ``random``, ``round-robin``, ``least-loaded``,
+``skewness-aware`` (Algorithm 2) and ``skewness-search`` (ours) are in ``DISPATCH_POLICIES``;
+each class says what it does. docs/design.md, "The Stream Generation Service", says why.
 """
 
 from __future__ import annotations
@@ -61,6 +40,8 @@ def _check(num_instances: int) -> None:
 
 
 class RandomDispatch(DispatchPolicy):
+    """A uniform random instance per request (seeded)."""
+
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
@@ -72,6 +53,8 @@ class RandomDispatch(DispatchPolicy):
 
 
 class RoundRobinDispatch(DispatchPolicy):
+    """Request ``i`` to instance ``i mod N``."""
+
     name = "round-robin"
 
     def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
@@ -91,6 +74,10 @@ def _greedy_least_loaded(lengths: Sequence[float], order: Sequence[int], instanc
 
 
 class LeastLoadedDispatch(DispatchPolicy):
+    """In arrival order, each request to the instance with the smallest predicted token load so
+    far (ties to the lowest index); equal predictions reduce it to request counts. Unlike the
+    skewness policies it uses the predictions' magnitudes, not only their order."""
+
     name = "least-loaded"
 
     def assign(self, predicted_lengths: Sequence[float], num_instances: int) -> list[int]:
@@ -142,7 +129,15 @@ def skewness_split(
     max_batch_size: int | None = None,
     combine: str = "max",
 ) -> SkewSplit:
-    """Algorithm 2's search: the number of long-tail instances minimising the predicted latency."""
+    """Algorithm 2's search: the number of long-tail instances minimising the predicted latency.
+
+    **Sum or max of the two pools' latencies.** The paper prints the *sum*; ``combine="max"``
+    (the default) minimises the *max*. The two pools run at the same time on disjoint instances,
+    so the generation stage ends when the slower pool ends: its makespan is the max. Minimising
+    the sum can pick a split whose slower pool is slower than necessary just to shorten the
+    faster pool, whose instances then sit idle anyway (``tests/test_scheduling.py`` has a
+    hand-worked case where the two criteria disagree). ``combine="sum"`` reproduces the paper's
+    formula."""
     _check(num_instances)
     if combine not in ("max", "sum"):
         raise ValueError(f"combine={combine!r}: use 'max' (makespan) or 'sum' (paper's formula)")
@@ -163,7 +158,13 @@ def skewness_split(
 
 
 class SkewnessAwareDispatch(_RecentLengths):
-    """Algorithm 2; see the module docstring. ``last_split`` holds the latest decision."""
+    """Algorithm 2. Sort requests by predicted length (only their order matters); the top
+    ``alpha`` are long-tail, the rest regular. A long-tail sample's length is estimated by the
+    P90 and a regular one's by the P50 of the recent output-length distribution (``history``;
+    the predictions themselves when none is given). For every split ``N_long + N_regular = N``
+    each pool's latency is predicted as ``PTL(BS) * L * ceil(M_pool_per_instance / BS)`` and the
+    best split is kept (``skewness_split``); inside a pool, requests go longest-first to the
+    instance with the least predicted load. ``last_split`` holds the latest decision."""
 
     name = "skewness-aware"
 

@@ -4,13 +4,11 @@ Watch ``delta = T_gen - T_train`` each iteration. Let ``delta_prime`` be the gen
 more SGS data-parallel unit (one instance) would save, ``T_gen(k) - T_gen(k + 1)``. When
 ``delta >= delta_prime``, add one instance: the gap is at least what the new instance closes, so
 adding it cannot make generation the faster side by more than it was the slower one. Instances
-are independent, so the trainer keeps running. Like the paper, we only scale up. We add one
-guard the paper leaves implicit: an instance that is predicted to save nothing (``delta_prime <= 0``,
-e.g. a tail-bound generation stage) is never added.
+are independent, so the trainer keeps running. The paper only scales up; ``ElasticScaler`` also
+scales down (beyond the paper).
 
-``ElasticRule.decide`` takes plain numbers; the caller (simulator or live controller) supplies
-``t_gen_plus_one`` from its estimator ``P_gen``. ``smoothing`` (0 = off) applies an exponential
-moving average to ``delta`` so one slow iteration does not trigger a scale-up on its own.
+Pure functions and small state machines: the caller (simulator or live controller) supplies the
+measured times and ``t_gen_plus_one`` from its estimator ``P_gen``.
 """
 
 from __future__ import annotations
@@ -19,7 +17,10 @@ from dataclasses import dataclass, field
 
 
 def should_add_instance(t_gen: float, t_train: float, t_gen_plus_one: float) -> bool:
-    """The paper's rule: ``T_gen - T_train >= T_gen - T_gen(+1 instance)``."""
+    """The paper's rule: ``T_gen - T_train >= T_gen - T_gen(+1 instance)``.
+
+    One guard the paper leaves implicit: an instance that is predicted to save nothing
+    (``delta_prime <= 0``, e.g. a tail-bound generation stage) is never added."""
     delta = t_gen - t_train
     delta_prime = t_gen - t_gen_plus_one
     return delta > 0 and 0 < delta_prime <= delta
@@ -27,7 +28,10 @@ def should_add_instance(t_gen: float, t_train: float, t_gen_plus_one: float) -> 
 
 @dataclass
 class ElasticRule:
-    """Stateful wrapper: caps the instance count and optionally smooths ``delta``."""
+    """Stateful wrapper: caps the instance count and optionally smooths ``delta``.
+
+    ``smoothing`` (0 = off) applies an exponential moving average to ``delta`` so one slow
+    iteration does not trigger a scale-up on its own."""
 
     max_instances: int
     smoothing: float = 0.0

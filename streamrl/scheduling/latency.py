@@ -3,21 +3,13 @@
 A sample of ``L`` output tokens decoded on an instance running batch size ``BS`` takes
 ``PTL(BS) * L``; an instance given ``M`` prompts of mean length ``L_avg`` with at most ``BS``
 running at once takes ``PTL(BS) * L_avg * ceil(M / BS)``. Dispatch (Algorithm 2) and the planner
-read nothing else about an engine.
+read nothing else about an engine. ``LatencyModel`` is a table of measured points.
 
-The model is a table of measured points ``(batch_size, ms_per_token)``, interpolated linearly in
-batch size between points (decode cost is close to affine in batch size: each extra sequence adds
-its KV-cache reads), clamped below the first point and extrapolated with the last segment's slope
-above the last one.
+Profile file (written by ``streamrl profile``, read by ``load_profile``; other keys go to ``extra``)::
 
-Profile file (written by ``streamrl profile`` on the live system, read by ``load_profile``)::
-
-    {"engine": "vllm", "model": "qwen2.5-7b", "device": "H800",
+    {"engine": "vllm", "model": "qwen2.5-7b", "device": "H800", "kv_ms_per_token": 0.0019,
      "points": [{"batch_size": 1, "ms_per_token": 8.4}, {"batch_size": 2, "ms_per_token": 8.7}],
-     "train_tokens_per_s": 12000.0,          # optional: trainer throughput on the same devices
-     "kv_ms_per_token": 0.0019}              # optional: step cost per running context token
-
-``points`` must be non-empty with distinct positive batch sizes; extra keys are kept in ``extra``.
+     "train_tokens_per_s": 12000.0}
 """
 
 from __future__ import annotations
@@ -31,7 +23,11 @@ from typing import Any, Sequence
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """Measured per-token decode latency of one engine instance as a function of batch size."""
+    """Measured per-token decode latency of one engine instance as a function of batch size.
+
+    ``points`` must be non-empty with distinct positive batch sizes. Optional profile keys kept
+    in ``extra``: ``train_tokens_per_s`` (trainer throughput on the same devices) and
+    ``kv_ms_per_token`` (step cost per running context token)."""
 
     points: tuple[tuple[int, float], ...]
     """``(batch_size, ms_per_token)`` pairs, sorted by batch size."""
@@ -58,7 +54,11 @@ class LatencyModel:
         return self.points[-1][0]
 
     def ms_per_token(self, batch_size: float) -> float:
-        """PTL(batch_size) in milliseconds per output token of one sequence."""
+        """PTL(batch_size) in milliseconds per output token of one sequence.
+
+        Interpolated linearly in batch size between points (decode cost is close to affine in
+        batch size: each extra sequence adds its KV-cache reads), clamped below the first point
+        and extrapolated with the last segment's slope above the last one."""
         pts = self.points
         if batch_size <= pts[0][0] or len(pts) == 1:
             return pts[0][1]

@@ -1,26 +1,14 @@
 """In-instance admission order (PAPER.md §3.7, "within an instance").
 
 When an instance is given more prompts than fit in one batch, the order policy decides which are
-admitted first. Each time a running sequence finishes, the engine admits the next one in this
-order.
+admitted first: ``fifo`` (arrival order), ``lpt`` (longest predicted first) and ``lpt-head``
+(ours: LPT for the head predicted longest, then arrival order; see ``HedgedLptOrder``).
 
-- ``fifo``: arrival order.
-- ``lpt``: longest predicted first (Longest Processing Time first, a 4/3-approximation of the
-  makespan on identical machines; here the "machines" are the batch slots).
-- ``lpt-head`` (ours): longest predicted first for the ``head`` fraction predicted longest, then
-  the rest in arrival order. Full LPT trusts the whole ranking: every request the ranker
-  predicts short is admitted last, so the long ones it missed start last and finish last, after
-  everything else. With the learned ranker on the synthetic task (recall@20% ~0.75) that makes
-  LPT worse than FIFO (``bench scheduling``; the latency model agrees: random dispatch with LPT
-  on the ranker 1.06x of FIFO, on true lengths 0.80x). Hedged, the confident head still starts
-  first and a missed long request starts at a random point of the queue instead of at its end.
-  With exact lengths full LPT is better; choose ``lpt`` for an oracle or a near-perfect ranker.
-
-Interface: ``policy.order(predicted_lengths) -> list[int]``, the indices in admission order.
-The live engines admit by a per-request priority (larger first, ties in arrival order) so that
-requests submitted in different calls still interleave correctly; ``policy.priorities(lengths)``
-gives those priorities, and admitting by them reproduces ``order`` for one call (and the LPT rule
-across calls: whenever a slot frees, the longest predicted request waiting goes next).
+Interface: ``policy.order(predicted_lengths) -> list[int]``, the indices in admission order, and
+``policy.priorities(lengths)``, one priority per request for the live engines, which admit by
+priority (larger first, ties in arrival order) so requests submitted in different calls still
+interleave. Invariant: admitting by ``priorities`` reproduces ``order`` for one call (and the LPT
+rule across calls: whenever a slot frees, the longest predicted request waiting goes next).
 """
 
 from __future__ import annotations
@@ -41,6 +29,8 @@ class OrderPolicy(Protocol):
 
 
 class FifoOrder:
+    """Arrival order."""
+
     name = "fifo"
 
     def order(self, predicted_lengths: Sequence[float]) -> list[int]:
@@ -51,6 +41,10 @@ class FifoOrder:
 
 
 class LptOrder:
+    """Longest predicted first (Longest Processing Time first, a 4/3-approximation of the
+    makespan on identical machines; here the "machines" are the batch slots). The best order
+    with exact lengths: choose it for an oracle or a near-perfect ranker."""
+
     name = "lpt"
 
     def order(self, predicted_lengths: Sequence[float]) -> list[int]:
@@ -66,6 +60,13 @@ class LptOrder:
 
 
 class HedgedLptOrder:
+    """Longest predicted first for the ``head`` fraction predicted longest, then the rest in
+    arrival order. Full LPT trusts the whole ranking: every request the ranker predicts short is
+    admitted last, so the long ones it missed start last and finish last, after everything else;
+    with an imperfect ranker that can make LPT worse than FIFO (``bench scheduling``). Hedged,
+    the confident head still starts first and a missed long request starts at a random point of
+    the queue instead of at its end."""
+
     name = "lpt-head"
 
     def __init__(self, head: float = 0.1) -> None:

@@ -1,37 +1,14 @@
 """Runtime rebalancing (beyond the paper: PAPER.md §5, after Seer's critique of atomic dispatch).
 
 StreamRL dispatches each request once; a wrong length estimate can then leave one instance with
-far more work than the others while they idle. Rebalancing re-plans the *not yet started*
-requests while generation runs.
+far more work than the others while they idle. Rebalancing re-plans unfinished requests while
+generation runs: queued ones (moving one costs nothing) and, where the engine can preempt,
+running ones (resumed elsewhere with the prefix they generated: ``StreamGenerationService``).
 
-Inputs, per instance: the predicted *remaining* lengths of its unfinished requests (running and
-queued; ``remaining_estimate`` turns a prediction and the tokens generated so far into one) and
-which of them are movable: queued ones (not started: moving one costs nothing and loses nothing)
-and, where the engine can preempt, running ones (stopped and resumed elsewhere with the prefix
-they generated: ``StreamGenerationService``). The predicted remaining time of an instance is the
-§3.7 latency model applied to what is left::
-
-    T(L) = PTL(BS) * max(sum(L) / BS, max(L)),   BS = min(len(L), max_batch_size)
-
-(``sum(L) / BS`` decode steps of a full batch, and never less than its longest request alone).
-
-Rule (``plan_moves``): while the most loaded instance's ``T`` exceeds the least loaded one's by
-more than ``threshold * T_max``, move one movable request from the most to the least loaded: the
-one that minimises ``max(T_src, T_dst)`` afterwards. Stop when no move lowers that maximum, or
-after ``max_moves``. With ``room`` (the SGS passes each instance's free batch slots) an instance
-receives at most that many requests in one round: work stealing, where what moves starts at
-once. Without it a round can pile a queue onto the destination on the strength of predictions
-alone; with a ranker that is often wrong (recall@20% ~0.7), that overshot: the destination ended
-last (``bench scheduling``, skew+ranker+rebalance). A pure function: no Ray, no engine (the SGS
-applies the moves it returns).
-
-One check (``plan_round``), shared by the SGS and the simulator (``sim/engine.py``): it acts only
-while some instance has free batch slots (fewer unfinished requests than ``max_batch_size``: it
-runs under-full or idles, the moment a wrong estimate shows) and some instance has two or more
-requests; each request's remaining length comes from ``remaining_estimate``; nothing moves unless
-the predicted remaining times differ by more than ``threshold`` of the largest; then
-``plan_moves`` with each instance's free slots as its ``room``. A running request predicted to
-finish within ``MIN_MOVE_TOKENS`` is not moved (stopping it would cost more than it saves).
+One check, ``plan_round``, is shared by the SGS and the simulator (``sim/engine.py``); it calls
+``plan_moves``, which moves requests from the most to the least loaded instance while that
+lowers the predicted makespan (``remaining_time_s``). Pure functions: no Ray, no engine; the
+caller applies the moves returned. docs/design.md, "The Stream Generation Service", says why.
 """
 
 from __future__ import annotations
@@ -92,7 +69,12 @@ def remaining_estimate(predicted: float, generated: int, max_new_tokens: int, re
 
 
 def remaining_time_s(lengths: Sequence[float], latency: LatencyModel, max_batch_size: int | None = None) -> float:
-    """Predicted time for one instance to finish requests of these predicted lengths (see module docstring)."""
+    """Predicted time for one instance to finish requests of these predicted lengths: the §3.7
+    latency model applied to what is left::
+
+        T(L) = PTL(BS) * max(sum(L) / BS, max(L)),   BS = min(len(L), max_batch_size)
+
+    (``sum(L) / BS`` decode steps of a full batch, and never less than its longest request alone)."""
     n = len(lengths)
     if n == 0:
         return 0.0
@@ -142,7 +124,15 @@ def plan_moves(
     max_moves: int = 1_000_000,
     room: Mapping[str, int] | None = None,
 ) -> list[Move]:
-    """Moves that even out the instances' predicted remaining time (see module docstring).
+    """Moves that even out the instances' predicted remaining time (``remaining_time_s``).
+
+    While the most loaded instance's ``T`` exceeds the least loaded one's by more than
+    ``threshold * T_max``, move one movable request from the most to the least loaded: the one
+    that minimises ``max(T_src, T_dst)`` afterwards. Stop when no move lowers that maximum, or
+    after ``max_moves``. With ``room`` (the SGS passes each instance's free batch slots) an
+    instance receives at most that many requests in one round: work stealing, where what moves
+    starts at once. Without it a round can pile a queue onto the destination on the strength of
+    predictions alone, which with an often wrong ranker leaves the destination last.
 
     ``unfinished[name]``: ``(request_id, predicted remaining length)`` of every unfinished request
     on that instance; ``movable[name]``: the ids among them that may move. Every instance must
@@ -218,7 +208,15 @@ def has_free_slots(counts: Mapping[str, int], max_batch_size: int) -> bool:
 def plan_round(instances: Mapping[str, Sequence[Unfinished]], latency: LatencyModel, max_batch_size: int,
                threshold: float = 0.25, recent: Sequence[float] = (),
                receivers: Collection[str] | None = None) -> list[Move]:
-    """One rebalancing check over every instance's unfinished requests (module docstring).
+    """One rebalancing check over every instance's unfinished requests.
+
+    It acts only while some instance has free batch slots (fewer unfinished requests than
+    ``max_batch_size``: it runs under-full or idles, the moment a wrong estimate shows) and some
+    instance has two or more requests (``has_free_slots``); each request's remaining length
+    comes from ``remaining_estimate``; nothing moves unless the predicted remaining times differ
+    by more than ``threshold`` of the largest; then ``plan_moves`` with each instance's free
+    slots as its ``room``. A running request predicted to finish within ``MIN_MOVE_TOKENS`` is
+    not moved (stopping it would cost more than it saves).
 
     ``recent``: recent output lengths, sorted (``remaining_estimate``'s overshoot). ``receivers``:
     the instances that may take requests (None: any with free slots; the simulator passes the one

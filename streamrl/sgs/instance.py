@@ -1,24 +1,13 @@
 """A generation instance: one Ray actor around one engine (one model replica).
 
-    service --submit(requests)--> instance.engine admission queue
-    service --poll(timeout)-----> blocks in the actor until >= 1 completion (or timeout), returns
-                                  a batch of finished Completions: this is the stream
-    service --update(handle)----> fetch the flat weight buffer (zero-copy from the object store;
-                                  a delta when this instance holds the base version), pause the
-                                  engine, copy in place, resume: in-flight requests keep their KV
-                                  cache and continue with the new weights; a relay re-publishes
-                                  its copy for the instances it feeds (``weights.engine``)
+The Stream Generation Service (``sgs/service.py``) submits requests to it, polls it for finished
+completions (the stream) and installs new weights through it (``weights.engine``).
 
-The actor is threaded (``max_concurrency``), so ``submit`` and ``update`` run while a ``poll``
-is blocked waiting for a completion. The engine itself is thread-safe.
-
-Hold-back queue (``hold_back=True``, used when the SGS rebalances): the instance keeps submitted
-requests in its own priority heap (the engine's order: larger ``priority`` first, ties FIFO) and
-hands the engine only enough to fill its batch plus ``slack`` waiting ones, topping up before and
-after every ``poll``. Requests still in this heap have certainly not started, so ``take`` can give
-them back to the SGS to move elsewhere (``preempt``): they are removed here under the lock,
-atomically with respect to the top-up, so a request is either taken or handed to the engine,
-never both.
+Invariants: the actor is threaded (``max_concurrency``), so ``submit`` and ``update`` run while a
+``poll`` blocks, and the engine is thread-safe; a weight update pauses the engine only for the
+copy, and in-flight requests keep their KV cache and continue with the new weights; with
+``hold_back``, a request is either taken back by the SGS or handed to the engine, never both.
+``GenerationInstance`` has the call flow and the hold-back queue.
 """
 
 from __future__ import annotations
@@ -37,6 +26,25 @@ from streamrl.types import Event, Partial, Progress
 
 @ray.remote(max_concurrency=4)
 class GenerationInstance:
+    """One engine behind a threaded Ray actor::
+
+        service --submit(requests)--> instance.engine admission queue
+        service --poll(timeout)-----> blocks in the actor until >= 1 completion (or timeout), returns
+                                      a batch of finished Completions: this is the stream
+        service --update(handle)----> fetch the flat weight buffer (zero-copy from the object store;
+                                      a delta when this instance holds the base version), pause the
+                                      engine, copy in place, resume: in-flight requests keep their KV
+                                      cache and continue with the new weights; a relay re-publishes
+                                      its copy for the instances it feeds (``weights.engine``)
+
+    Hold-back queue (``hold_back=True``, used when the SGS rebalances): the instance keeps
+    submitted requests in its own priority heap (the engine's order: larger ``priority`` first,
+    ties FIFO) and hands the engine only enough to fill its batch plus ``slack`` waiting ones,
+    topping up before and after every ``poll``. Requests still in this heap have certainly not
+    started, so ``take`` can give them back to the SGS to move elsewhere (``preempt``): they are
+    removed here under the lock, atomically with respect to the top-up, so a request is either
+    taken or handed to the engine, never both."""
+
     def __init__(self, name: str, cfg: Config, policy_path: str, threads: int, seed: int,
                  hold_back: bool = False, engine_overrides: dict | None = None) -> None:
         import os

@@ -1,29 +1,14 @@
 """The trainer as a Ray actor: it consumes groups as they stream in and steps when it can.
 
-    controller --add_groups(it, groups, expected)--> [actor mailbox, processed in order]
-        1. staleness check: every sample's version_start >= trainer.version - max_staleness,
-           else StalenessError (the sample is never trained on)
-        2. per-sample work on arrival: reference log-probs, old values, GAE / group advantages
-        3. buffer; whenever the buffered groups hold ``trainer.step_tokens`` tokens, one
-           optimizer step on them (a dynamic batch), in arrival order
-        4. when ``expected`` groups of iteration ``it`` have arrived: the last step on the
-           remainder, extra epochs if configured, version += 1, flatten and publish the weights
-           to the object store; return a ``TrainResult`` (metrics, weight handle, version)
+``IterationTrainer`` (the logic, testable without Ray; ``TrainerActor`` is its Ray actor) takes
+each iteration's groups through ``add_groups``: staleness check, per-sample preparation on
+arrival, an optimizer step whenever ``trainer.step_tokens`` tokens are buffered, and at the end
+of the iteration version + 1 and the weights published to the object store.
 
-Batch-sync (disagg-batch) sends all groups in one call, stream-sync one call per finished
-group: the same cut rule on the same order gives the same steps, hence the same parameters.
-The weight publish is a ``ray.put`` of one flat buffer; the instances fetch it while this actor
-already works on the next iteration's groups (stream-async overlaps the push with training).
-
-Two trainer backends behind the same logic (``trainer.backend``):
-- ``single``: the ``Trainer`` in this process (``trainer.threads`` CPUs); it flattens its own
-  state dict for the publish.
-- ``fsdp`` (always on GPU): an ``FSDPTrainerGroup`` (``trainer/fsdp.py``). Steps 1-4 are
-  still decided here (staleness, preparing, the batch cut, epochs, versions); preparing needs
-  no model (GRPO, no reference, no critic), so this actor loads none and reserves no CPU. The
-  optimizer steps, the publish (rank 0 gathers, flattens and puts the buffer: the weights still
-  travel by the object store, not by NCCL) and checkpoints run on the FSDP2 ranks, a placement
-  group of their own that ``shutdown`` frees.
+Invariants: a sample older than ``max_staleness`` versions is never trained on
+(``StalenessError``); the same cut rule on the same order gives the same steps, however the groups
+are split into calls (batch-sync: one call; stream-sync: one per group), hence the same
+parameters. Backends (``trainer.backend``): ``single`` (``trainer.py``), ``fsdp`` (``fsdp.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +27,24 @@ class StalenessError(RuntimeError):
 
 
 class IterationTrainer:
-    """The actor's logic as a plain class (tests drive it without Ray)."""
+    """The actor's logic as a plain class (tests drive it without Ray).
+
+    Batch-sync (disagg-batch) sends all groups in one call, stream-sync one call per finished
+    group: the same cut rule on the same order gives the same steps, hence the same parameters.
+    The weight publish is a ``ray.put`` of one flat buffer; the instances fetch it while this
+    actor already works on the next iteration's groups (stream-async overlaps the push with
+    training).
+
+    Two trainer backends behind the same logic (``trainer.backend``):
+
+    - ``single``: the ``Trainer`` in this process (``trainer.threads`` CPUs); it flattens its
+      own state dict for the publish.
+    - ``fsdp`` (always on GPU): an ``FSDPTrainerGroup`` (``trainer/fsdp.py``). The steps of
+      ``add_groups`` are still decided here (staleness, preparing, the batch cut, epochs,
+      versions); preparing needs no model (GRPO, no reference, no critic), so this actor loads
+      none and reserves no CPU. The optimizer steps, the publish (rank 0 gathers, flattens and
+      puts the buffer: the weights still travel by the object store, not by NCCL) and
+      checkpoints run on the FSDP2 ranks, a placement group of their own that ``shutdown`` frees."""
 
     def __init__(self, cfg: Config, threads: int, max_staleness: int, policy=None) -> None:
         """``policy``: a ``controller.shipping.PolicyPackage`` when the driver ships the policy
@@ -97,6 +99,17 @@ class IterationTrainer:
         return here()
 
     def add_groups(self, iteration: int, groups: list[list[Sample]], expected: int) -> TrainResult | None:
+        """Take groups of iteration ``iteration`` (calls are processed in order, from the mailbox)::
+
+            1. staleness check: every sample's version_start >= trainer.version - max_staleness,
+               else StalenessError (the sample is never trained on)
+            2. per-sample work on arrival: reference log-probs, old values, GAE / group advantages
+            3. buffer; whenever the buffered groups hold ``trainer.step_tokens`` tokens, one
+               optimizer step on them (a dynamic batch), in arrival order
+            4. when ``expected`` groups of ``iteration`` have arrived: the last step on the
+               remainder, extra epochs if configured, version += 1, flatten and publish the
+               weights to the object store; return a ``TrainResult`` (metrics, weight handle,
+               version). Before that, None."""
         from streamrl.trainer.trainer import dynamic_batches, group_tokens
 
         if iteration != self.iteration:

@@ -2,40 +2,14 @@
 
 One process per rank (one GPU each on a GPU node, NCCL; or CPU processes over gloo, which is how
 the tests run it). Every rank holds 1/W of each parameter; a forward all-gathers a layer's
-parameters, the backward reduce-scatters its gradients (averaged over ranks).
+parameters, the backward reduce-scatters its gradients (averaged over ranks). ``FSDPRank`` is one
+rank, ``FSDPTrainerGroup`` drives all of them for the trainer actor (``trainer.backend=fsdp``).
 
-Dataflow of one optimizer step (``FSDPRank.train_step(items)`` on every rank)::
-
-    the same item list on every rank --shard_items--> rank r's items (token-balanced, deterministic)
-    per rank: micro-batches by the token budget, padded to the SAME count on every rank with
-              zero-loss micro-steps (each forward/backward is a collective: unequal counts hang)
-    loss denominator = all-rank response tokens / W  (so the rank-average of gradients equals
-              the single-process token-mean gradient over all items)
-    clip by the global grad norm (DTensor) -> AdamW on the local shards
-
-``policy_state()`` gathers the full state dict (a collective: call it on every rank); rank 0 gets
-the tensors on CPU for the weight push. With ``param_dtype="bfloat16"`` master weights and
-optimizer state stay fp32, forward/backward run in bf16 and gradients are reduced in fp32.
-
-Across Ray (``FSDPTrainerGroup``): one ``FSDPRank`` actor per rank in one placement group whose
-bundles come from ``streamrl.placement``, rendezvous at rank 0's node; the group drives every
-rank in lockstep with the same item list (one ``ray.put``). In the pipelines
-(``trainer.backend=fsdp``) the trainer actor keeps its logic and holds the group in place of the
-single-process ``Trainer`` (the same methods, without a model)::
-
-    IterationTrainer: staleness check, prepare, GRPO advantages, dynamic-batch cut, epochs
-        --train_step(items)--> FSDPTrainerGroup --> every rank (one optimizer step)
-        --publish-----------> every rank gathers the full state dict; rank 0 flattens it and
-                              ``ray.put``s ONE buffer (streamrl.weights), returns the handle
-        --save / load-------> full model + optimizer state gathered on rank 0, which writes the
-                              single-process trainer's files; every rank reads them and keeps
-                              its shards (checkpoints cross backends and world sizes)
-
-Weights reach the instances through the Ray object store; NCCL transfer to the vLLM GPUs is not
-done. Tested on CPU (gloo ranks, against the single-process trainer and inside a stream-async
-run) and, at world size 1, on one H200 over NCCL in bf16 (``scripts/gpu_check.py``); several
-NCCL ranks, bf16 in the pipelines, multi-node rendezvous and GPU placement have not run. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or critic. The metrics of
-a step other than the grad norm and counts are rank 0's share of the batch.
+Invariants: every rank runs the same number of micro-steps and takes the same deterministic share
+of the same item list, and one step's gradient equals the single-process token-mean gradient
+(``FSDPRank.train_step``); checkpoints are the single-process trainer's files, so they cross
+backends and world sizes; the weights reach the instances through the Ray object store, not
+NCCL. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or critic.
 """
 
 from __future__ import annotations
@@ -75,7 +49,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 def shard_policy(model: torch.nn.Module, param_dtype: str = "float32") -> torch.nn.Module:
     """Apply FSDP2 to a Hugging Face causal LM: one shard group per decoder layer, then the root
-    (embeddings, final norm and the, possibly tied, head). In place; returns ``model``."""
+    (embeddings, final norm and the, possibly tied, head). In place; returns ``model``.
+
+    With ``param_dtype="bfloat16"`` master weights and optimizer state stay fp32, forward and
+    backward run in bf16 and gradients are reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if param_dtype not in PARAM_DTYPES:
@@ -150,7 +127,18 @@ class FSDPRank:
         return backend
 
     def train_step(self, items: list[Prepared]) -> dict[str, float]:
-        """This rank's share of one optimizer step over all of ``items`` (see the module docstring)."""
+        """This rank's share of one optimizer step over all of ``items``; every rank calls it
+        with the same list::
+
+            the same item list on every rank --shard_items--> rank r's items (token-balanced, deterministic)
+            per rank: micro-batches by the token budget, padded to the SAME count on every rank with
+                      zero-loss micro-steps (each forward/backward is a collective: unequal counts hang)
+            loss denominator = all-rank response tokens / W  (so the rank-average of gradients equals
+                      the single-process token-mean gradient over all items)
+            clip by the global grad norm (DTensor) -> AdamW on the local shards
+
+        The metrics other than the grad norm and the counts are this rank's share of the batch
+        (the group reports rank 0's)."""
         mine = shard_items(items, self.world_size)
         per_rank_mbs = [micro_batches(share, self.tcfg.micro_batch_tokens) if share else [] for share in mine]
         n_micro = max(len(m) for m in per_rank_mbs)
@@ -193,7 +181,8 @@ class FSDPRank:
         return metrics
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) state dict on CPU: on rank 0; other ranks get ``{}``."""
+        """Full (unsharded) state dict on CPU: on rank 0; other ranks get ``{}``. A collective:
+        call it on every rank."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -275,6 +264,12 @@ class FSDPTrainerGroup:
                          --train_step(items)------------------------------------> every rank
                          --finish_iteration / publish / save / load-------------> every rank;
                                                                                   rank 0 answers
+
+    ``publish``: every rank gathers the full state dict; rank 0 flattens it and ``ray.put``s ONE
+    buffer (``streamrl.weights``) and returns the handle. ``save`` / ``load``: the full model and
+    optimizer state gathered on rank 0, which writes the single-process trainer's files; every
+    rank reads them and keeps its shards (checkpoints cross backends and world sizes). The item
+    list goes to the ranks once per step (one ``ray.put``).
 
     It holds no model: GRPO without a reference or critic prepares a sample without a forward
     pass (tokens, log-probs and the reward are copied) and the group advantage is the reward

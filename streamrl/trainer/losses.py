@@ -5,14 +5,8 @@ Conventions (every function):
   (trained) tokens and 0 on prompt/padding. Masked positions never contribute to a loss or metric.
 - Losses are returned as values to *minimise* (the surrogate objective is negated).
 - Metrics are returned as ``dict[str, float]`` with short keys; the caller namespaces them.
-
-Gradient-accumulation contract: ``policy_loss`` and ``value_loss`` take ``denominator``. Split a
-minibatch into micro-batches and pass each the *whole minibatch's* count (tokens for
-``"token-mean"``, sequences for ``"seq-mean"``); each micro-batch loss is then
-``sum(its per-token or per-seq losses) / denominator``, so calling ``backward()`` on every
-micro-batch loss (with no further scaling) accumulates exactly the gradient of the full-batch loss.
-Leaving ``denominator=None`` normalises by the micro-batch's own count, which is only equivalent
-when every micro-batch has the same count.
+- Losses take ``denominator``: pass every micro-batch the whole minibatch's count and the summed
+  micro-batch gradients equal the full-batch loss's gradient (``_aggregate`` has the contract).
 
 No Ray, no models, no torch.distributed: everything here is testable on CPU with tiny tensors.
 """
@@ -101,7 +95,15 @@ def grpo_advantages(
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, denominator: float | Tensor | None) -> Tensor:
-    """Reduce ``[B, T]`` per-token losses to a scalar (see module docstring for the contract)."""
+    """Reduce ``[B, T]`` per-token losses to a scalar.
+
+    Gradient-accumulation contract: ``policy_loss`` and ``value_loss`` take ``denominator``.
+    Split a minibatch into micro-batches and pass each the *whole minibatch's* count (tokens for
+    ``"token-mean"``, sequences for ``"seq-mean"``); each micro-batch loss is then
+    ``sum(its per-token or per-seq losses) / denominator``, so calling ``backward()`` on every
+    micro-batch loss (with no further scaling) accumulates exactly the gradient of the
+    full-batch loss. Leaving ``denominator=None`` normalises by the micro-batch's own count,
+    which is only equivalent when every micro-batch has the same count."""
     if loss_agg == "token-mean":
         total = (per_token * mask).sum()
         default = mask.sum()
@@ -142,7 +144,7 @@ def policy_loss(
 
     Aggregation: ``"token-mean"`` sums over all masked tokens of the batch and divides by the token
     count; ``"seq-mean"`` averages each sequence over its tokens, then averages sequences.
-    ``denominator`` overrides the count for gradient accumulation (module docstring).
+    ``denominator`` overrides the count for gradient accumulation (``_aggregate``).
 
     Metrics (over this call's masked tokens): ``clip_frac`` (fraction of tokens where clipping is
     active, i.e. zero gradient), ``approx_kl`` (mean of ``old_logprobs - logprobs``, the k1

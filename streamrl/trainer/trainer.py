@@ -1,26 +1,15 @@
 """The Trainer: GRPO and PPO updates on the policy (plus optional reference and critic).
 
-Dataflow inside one RL iteration (every mode uses the same three calls)::
+Dataflow inside one RL iteration (every mode uses the same calls)::
 
     samples (scored, from the SGS) --prepare()--> Prepared  (per-sample work, on arrival:
                                                   reference log-probs, critic values, GAE)
     groups of Prepared --------------train_step()--> one optimizer step (micro-batched by a
                                                   token budget, gradients accumulated)
-    trainer.policy_state() --------------------------> weights for the engines (version + 1)
-    trainer.publish() -------------------------------> the same, flattened into the object store
+    policy_state() / publish() ----------------------> weights for the engines (version + 1)
 
-Decisions the papers leave open, and ours:
-- *Old-policy log-probs* are the engine's sampled-token log-probs (weights W_i, temperature
-  applied). They are exactly the behaviour policy, need no extra forward pass, and stay valid in
-  stream-sync where the trainer may already have stepped before a late sample arrives. The engine
-  and the trainer compute them with the same model code (parity is tested in the engine suite).
-- *Values* (PPO) come from a snapshot of the critic taken at ``begin_iteration()``, so a sample
-  prepared on arrival gets the same old values whether it arrives before or after a mini-batch
-  step: stream-sync and batch-sync see identical inputs.
-- *KL*: GRPO puts k3 KL to the reference in the loss; PPO puts k1 KL in the per-token reward
-  (InstructGPT style). Both off when ``trainer.kl_coef == 0`` (then no reference is loaded).
-- *Advantages*: GRPO normalises within each group (population std); PPO uses GAE per sample
-  with no batch whitening, so a sample's advantage is final the moment it is prepared.
+Invariant: prepared inputs do not depend on when a sample arrives in its iteration (stream-sync
+and batch-sync train on identical inputs). ``Trainer`` lists the choices the papers leave open.
 """
 
 from __future__ import annotations
@@ -127,7 +116,13 @@ def micro_batches(items: list[Prepared], token_budget: int) -> list[list[Prepare
 
 
 def to_prepared(s: Sample) -> Prepared:
-    """The model-free part of preparing a sample: tokens, old log-probs, reward, version."""
+    """The model-free part of preparing a sample: tokens, old log-probs, reward, version.
+
+    The old-policy log-probs are the engine's sampled-token log-probs (weights W_i, temperature
+    applied). They are exactly the behaviour policy, need no extra forward pass, and stay valid
+    in stream-sync where the trainer may already have stepped before a late sample arrives. The
+    engine and the trainer compute them with the same model code (parity is tested in the
+    engine suite)."""
     c = s.completion
     if len(c.logprobs) != len(c.output_ids):
         raise ValueError(f"sample {c.request_id}: {len(c.logprobs)} logprobs for {len(c.output_ids)} tokens")
@@ -162,7 +157,7 @@ def policy_objective(tcfg, mb: list[Prepared], logp: torch.Tensor, mask: torch.T
 
 
 def set_group_advantages(groups: list[list[Prepared]]) -> None:
-    """GRPO: each sample's advantage is its reward normalised within its group."""
+    """GRPO: each sample's advantage is its reward normalised within its group (population std)."""
     adv = losses.grpo_advantages([[p.reward for p in g] for g in groups])
     flat = [p for g in groups for p in g]
     for p, a in zip(flat, adv.tolist()):
@@ -170,7 +165,18 @@ def set_group_advantages(groups: list[list[Prepared]]) -> None:
 
 
 class Trainer:
-    """Holds the policy, optimizer, and (when configured) reference and critic."""
+    """Holds the policy, optimizer, and (when configured) reference and critic.
+
+    Decisions the papers leave open, and ours:
+
+    - *Old-policy log-probs* are the engine's (``to_prepared``).
+    - *Values* (PPO) come from a snapshot of the critic taken at ``begin_iteration()``, so a
+      sample prepared on arrival gets the same old values whether it arrives before or after a
+      mini-batch step: stream-sync and batch-sync see identical inputs.
+    - *KL*: GRPO puts k3 KL to the reference in the loss; PPO puts k1 KL in the per-token reward
+      (InstructGPT style). Both off when ``trainer.kl_coef == 0`` (then no reference is loaded).
+    - *Advantages*: GRPO normalises within each group (population std); PPO uses GAE per sample
+      with no batch whitening, so a sample's advantage is final the moment it is prepared."""
 
     def __init__(self, cfg: Config, policy_path: str | None = None) -> None:
         self.cfg = cfg

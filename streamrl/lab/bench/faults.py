@@ -1,23 +1,13 @@
 """`streamrl bench faults`: a stream-async run under real faults against the same run without.
 
 The run is the CLI (``python -m streamrl.cli train ...``) in a child process, so that it can be
-killed like a machine that is lost. Two kinds of fault, at seeded random times within the
-fault-free run's duration:
+killed like a machine that is lost. Two kinds of fault (``run_cli``), at seeded random times
+within the fault-free run's duration: a generation instance killed (SIGKILL), and the driver
+killed with everything under it, then resumed from its checkpoint.
 
-- **instance kill**: SIGKILL of one generation-instance process (a Ray worker whose process title
-  is ``ray::GenerationInstance...``) among the run's descendants. The run must notice it, re-run
-  the instance's requests elsewhere and start a replacement (``sgs/faults``; its record in
-  ``out_dir/faults.jsonl`` gives the detection and replacement times).
-- **driver restart**: SIGKILL of the driver and every process under it (Ray included), then the
-  same command with ``run.resume=true`` (or, before the first checkpoint, a fresh start with
-  ``run.overwrite=true``).
-
-Exactly-once is checked against ground truth computed here, not reported by the run: the
-schedule (which prompts each iteration draws: the task's usable prompts in ``PromptStream``
-order) against the final weights' lineage (``out_dir/lineage.json``: every request id the
-weights were trained on, checkpointed with them, so it spans restarts). A scheduled prompt with
-fewer samples than ``generation.n_samples`` in the lineage is lost; one with more, or any id
-not in the schedule, is trained twice.
+Invariant: exactly-once is checked against ground truth computed here (``scheduled_ids``), never
+reported by the run: the schedule of prompts against the final weights' lineage
+(``exactly_once``). ``bench_soak`` tracks a long run's memory and open files over time.
 """
 
 from __future__ import annotations
@@ -133,7 +123,15 @@ def _schedule(rng: random.Random, kills: int, restarts: int, horizon_s: float) -
 
 def run_cli(cfg_args: list[str], out_dir: Path, env: dict, kills: int = 0, restarts: int = 0, horizon_s: float = 0.0,
             seed: int = 0, echo=print) -> dict[str, Any]:
-    """The training run as child processes with faults injected; returns what happened."""
+    """The training run as child processes with faults injected; returns what happened.
+
+    - **instance kill**: SIGKILL of one generation-instance process (a Ray worker whose process
+      title is ``ray::GenerationInstance...``) among the run's descendants. The run must notice
+      it, re-run the instance's requests elsewhere and start a replacement (``sgs/faults``; its
+      record in ``out_dir/faults.jsonl`` gives the detection and replacement times).
+    - **driver restart**: SIGKILL of the driver and every process under it (Ray included), then
+      the same command with ``run.resume=true`` (or, before the first checkpoint, a fresh start
+      with ``run.overwrite=true``)."""
     base = [sys.executable, "-m", "streamrl.cli", "train", *cfg_args, f"run.out_dir={out_dir}"]
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -215,7 +213,8 @@ def _recovery(records: list[dict], attempts: list[Attempt], out_dir: Path) -> No
 
 # ------------------------------------------------------------------------------ ground truth
 def scheduled_ids(cfg: Config) -> dict[tuple[int, str], int]:
-    """(iteration, prompt id) -> samples the schedule asks for, computed as the driver does."""
+    """(iteration, prompt id) -> samples the schedule asks for, computed as the driver does:
+    the task's usable prompts in ``PromptStream`` order."""
     from streamrl.controller.common import PromptStream
     from streamrl.controller.driver import RunContext, usable_prompts
     from streamrl.models.tiny import load_policy
@@ -233,7 +232,12 @@ def scheduled_ids(cfg: Config) -> dict[tuple[int, str], int]:
 
 
 def exactly_once(schedule: dict[tuple[int, str], int], lineage: list[str]) -> dict[str, int]:
-    """Lost and twice-trained prompts of the schedule in the final weights' lineage."""
+    """Lost and twice-trained prompts of the schedule in the final weights' lineage.
+
+    The lineage (``out_dir/lineage.json``) is every request id the weights were trained on,
+    checkpointed with them, so it spans restarts. A scheduled prompt with fewer samples than
+    ``generation.n_samples`` in the lineage is lost; one with more, or any id not in the
+    schedule, is trained twice."""
     got: Counter = Counter()
     unexpected = 0
     for rid in lineage:

@@ -1,24 +1,15 @@
 """`streamrl bench modes`: all four modes on the same workload, seeds and resources.
 
-For each mode: a fresh pipeline, ``warmup`` iterations (not timed: actor start, first weight
-install, and for stream-async the first iteration that has nothing to overlap with), then
-``iterations`` timed iterations. Throughput is samples (and response tokens) over the timed
-wall time; busy fractions come from the stage timeline over the same window.
+For each mode (``run_mode``): a fresh pipeline, ``warmup`` untimed iterations, then
+``iterations`` timed ones; throughput is samples (and response tokens) over the timed wall time,
+busy fractions come from the stage timeline over the same window. ``bench_modes`` adds each
+mode's pipeline efficiency and speed-up over colocated; a row name may carry a ``+variant``
+that switches scheduling policies on (``mode_config``, ``VARIANTS``).
 
-Pipeline efficiency (per mode) = the step time of a perfect overlap / the measured step time,
-where the perfect overlap is ``max(generation alone, training alone)`` on the disaggregated
-resources (training = optimizer steps + per-sample reference/critic work), each *measured* in
-disagg-batch mode (there the stages never overlap, so its
-generation and training times are the stages alone). The disaggregated modes all use the same
-resources (trainer: ``trainer.threads`` CPUs; SGS: ``num_instances x threads_per_instance``);
-colocated gives both stages all ``cluster.num_cpus`` CPUs, and uses the same
-continuous-batching engine (no static batch waiting for its longest member).
-
-Scheduling variants: a mode name may carry a ``+variant`` suffix that switches scheduling
-policies on for that row, e.g. ``stream-async+skew`` = stream-async with skewness-aware dispatch
-(Algorithm 2), LPT order inside instances and the configured ranker (``ranker`` section; scored
-ahead, refreshed in the background each iteration). Its rows also carry the ranker's per-batch
-recall/Spearman, averaged over the timed iterations.
+Invariant: the disaggregated modes all use the same resources (trainer: ``trainer.threads``
+CPUs; SGS: ``num_instances x threads_per_instance``); colocated gives both stages all
+``cluster.num_cpus`` CPUs and the same continuous-batching engine (no static batch waiting for
+its longest member). Results: docs/results.md.
 """
 
 from __future__ import annotations
@@ -45,8 +36,14 @@ ASYNC_ROW = re.compile(r"stream-async(?:-k(\d+))?(-partial)?")
 
 
 def mode_config(cfg: Config, mode: str) -> Config:
-    """``cfg`` for one bench row: ``MODE`` or ``MODE+VARIANT`` (see the module docstring); MODE
-    may also be ``stream-async-k<k>[-partial]`` or ``stream-async-partial`` (``ASYNC_ROW``)."""
+    """``cfg`` for one bench row: ``MODE`` or ``MODE+VARIANT``; MODE may also be
+    ``stream-async-k<k>[-partial]`` or ``stream-async-partial`` (``ASYNC_ROW``).
+
+    A variant switches scheduling policies on for that row, e.g. ``stream-async+skew`` =
+    stream-async with skewness-aware dispatch (Algorithm 2), LPT order inside instances and the
+    configured ranker (``ranker`` section; scored ahead, refreshed in the background each
+    iteration). Its rows also carry the ranker's per-batch recall/Spearman, averaged over the
+    timed iterations."""
     base, _, variant = mode.partition("+")
     staleness, partial = None, False
     m = ASYNC_ROW.fullmatch(base)
@@ -73,6 +70,10 @@ def mode_config(cfg: Config, mode: str) -> Config:
 
 
 def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str | None = None) -> dict:
+    """One bench row: a fresh pipeline, ``warmup`` iterations (not timed: actor start, first
+    weight install, and for stream-async the first iteration that has nothing to overlap with),
+    then ``iterations`` timed iterations. Throughput is samples (and response tokens) over the
+    timed wall time; busy fractions come from the stage timeline over the same window."""
     from streamrl.controller.common import PromptStream
     from streamrl.tasks.factory import make_task
     from streamrl.controller.driver import RunContext, make_pipeline
@@ -189,7 +190,13 @@ def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=
     (default: 1 and ``cluster.num_cpus``) and its fastest run is the row the others are compared
     with: in one process the engine's loop thread and the trainer each keep an OpenMP team, and
     on a 2-core machine 1 thread has measured faster than 2 (docs/results.md), so a fixed
-    thread count would not be the fair baseline. ``colocated_by_threads`` keeps every run."""
+    thread count would not be the fair baseline. ``colocated_by_threads`` keeps every run.
+
+    Pipeline efficiency (per mode) = the step time of a perfect overlap / the measured step
+    time, where the perfect overlap is ``max(generation alone, training alone)`` on the
+    disaggregated resources (training = optimizer steps + per-sample reference/critic work),
+    each *measured* in disagg-batch mode (there the stages never overlap, so its generation and
+    training times are the stages alone)."""
     from streamrl.controller.driver import ensure_policy, init_ray
 
     cfgs = {mode: mode_config(cfg, mode) for mode in modes}  # bad names fail before anything runs

@@ -1,33 +1,14 @@
 """`streamrl bench scheduling`: generation makespan of one large batch under each scheduling policy.
 
 One pool of ``instances`` real generation instances (the SGS; one thread each), one batch of
-``prompts`` distinct synthetic-task prompts (one response each), and for each configuration the
-wall time from submitting the batch to its last sampled token (engine timestamps):
+``prompts`` distinct synthetic-task prompts (one response each), and for each configuration of
+``CONFIGS`` (dispatch, in-instance order, predictions, rebalancing) the wall time from
+submitting the batch to its last sampled token (engine timestamps), against random + FIFO.
 
-    random + FIFO                    random dispatch, arrival order (the baseline)
-    skew-aware + ranker              Algorithm 2 on the ranker's scores, LPT inside instances
-    skew-aware + oracle              Algorithm 2 on the true lengths, LPT
-    ... each again + rebalance       ``scheduling.rebalance``, queued and running requests
-    search + ranker / oracle         ``skewness-search``: Algorithm 2 with the long-tail fraction
-                                     searched and each split simulated (ours; scheduling/dispatch.py)
-    ... + ranker + hedged            the same dispatch with ``lpt-head`` inside instances
-
-Decoding is greedy, so a *recording run*'s lengths are the oracle for every later run (with
-sampling the lengths would depend on which requests share a batch); ``length_match`` reports the
-fraction of requests whose length equalled the recorded one. The ranker is fitted on this
-policy's lengths for ``ranker_prompts`` *other* prompts (``history_policy``: an earlier
-checkpoint's lengths on the batch prompts join them, as a later epoch's history would), and
-Algorithm 2's P50/P90 come from those, never from the batch.
-
-PTL(BS) and the context cost are measured here first (``profiling.decode``) or read from
-``profile``. The lower bound is the longer of the longest sample alone and all tokens at the peak
-rate, plus every token's context cost; it ignores prefill and admission, so it is optimistic.
-``max_requests_per_batch`` (``batch``) is below each instance's share, so admission order
-matters. Each configuration runs ``repeats`` times in a rotated order (slow drift of the machine
-favours none); ``batches`` disjoint batches are recorded and run in turn and every ratio is the
-mean over batches of the ratio within a batch. Beside wall time, ``cpu_makespan_s`` (the largest
-instance's CPU seconds during the run) is the makespan with one free core per instance, which
-other processes cannot inflate. Results and their reading: docs/results.md.
+Invariants: decoding is greedy, so a recording run's lengths are the oracle for every later run;
+the ranker never sees the batch (it is fitted on other prompts, and Algorithm 2's P50/P90 come
+from those); every ratio is taken within one batch. ``bench_scheduling`` has the procedure;
+results and their reading: docs/results.md.
 """
 
 from __future__ import annotations
@@ -66,6 +47,16 @@ CONFIGS = (
     SchedConfig("search+ranker+hedged", "skewness-search", "lpt-head", "ranker", False),
     SchedConfig("skew+ranker+hedged+rebalance", "skewness-aware", "lpt-head", "ranker", True),
 )
+"""The configurations, each against the baseline::
+
+    random + FIFO                    random dispatch, arrival order (the baseline)
+    skew-aware + ranker              Algorithm 2 on the ranker's scores, LPT inside instances
+    skew-aware + oracle              Algorithm 2 on the true lengths, LPT
+    ... each again + rebalance       ``scheduling.rebalance``, queued and running requests
+    search + ranker / oracle         ``skewness-search``: Algorithm 2 with the long-tail fraction
+                                     searched and each split simulated (ours; scheduling/dispatch.py)
+    ... + ranker + hedged            the same dispatch with ``lpt-head`` inside instances
+"""
 TARGETS = {"skew+ranker": 0.85, "skew+oracle": 0.75, "search+ranker": 0.85, "search+oracle": 0.75,
            "skew+ranker+hedged": 0.85, "search+ranker+hedged": 0.85}
 
@@ -164,6 +155,24 @@ def _record_history(cfg: Config, history_policy: str, builder, batch_prompts, in
 def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch: int = 16, repeats: int = 8,
                      ranker: str = "learned", ranker_prompts: int | None = 2048, profile: str | None = None,
                      configs=CONFIGS, history_policy: str | None = None, batches: int = 1, echo=print) -> dict:
+    """Each configuration's makespan on the same batches, as ratios to random + FIFO.
+
+    Decoding is greedy, so a *recording run*'s lengths are the oracle for every later run (with
+    sampling the lengths would depend on which requests share a batch); ``length_match`` reports
+    the fraction of requests whose length equalled the recorded one. The ranker is fitted on this
+    policy's lengths for ``ranker_prompts`` *other* prompts (``history_policy``: an earlier
+    checkpoint's lengths on the batch prompts join them, as a later epoch's history would), and
+    Algorithm 2's P50/P90 come from those, never from the batch.
+
+    PTL(BS) and the context cost are measured here first (``profiling.decode``) or read from
+    ``profile``. The lower bound (``lower_bound_s``) is the longer of the longest sample alone and
+    all tokens at the peak rate, plus every token's context cost; it ignores prefill and
+    admission, so it is optimistic. ``max_requests_per_batch`` (``batch``) is below each
+    instance's share, so admission order matters. Each configuration runs ``repeats`` times in a
+    rotated order (slow drift of the machine favours none); ``batches`` disjoint batches are
+    recorded and run in turn and every ratio is the mean over batches of the ratio within a
+    batch. Beside wall time, ``cpu_makespan_s`` (the largest instance's CPU seconds during the
+    run) is the makespan with one free core per instance, which other processes cannot inflate."""
     from streamrl.controller.common import RequestBuilder
     from streamrl.tasks.factory import make_task
     from streamrl.controller.driver import ensure_policy, init_ray

@@ -3,18 +3,12 @@
 On a multi-site cluster (``streamrl.lab.cluster``: site A holds the trainer, site B at least two
 nodes with a receiver each), a trainer actor takes real AdamW steps on a Qwen2-shaped model of
 the configured size and publishes each version; every receiver installs it the way a
-generation instance does (``WeightReceiver`` + a copy into a model of the same shape, which is
-what pauses an engine). Per method:
+generation instance does. Methods (``METHODS``): ``naive``, ``tree`` and ``tree+delta``.
 
-    naive        every receiver fetches the trainer's object: one copy per remote node crosses
-    tree         one relay per remote site fetches, the site's other nodes read the relay's copy
-    tree+delta   the same tree, and a receiver that holds version v-1 fetches only the delta
-
-What crossed the slow link is read from the link's interface counters (``/proc/1/net/dev``),
-not computed; bytes per site from each node's veth; the achieved bandwidth is the link bytes
-over the span of the fetches that crossed it. Runs inside the head node's network namespace
-(``run_inside``); ``bench_weights`` builds the cluster (or uses one that is up), runs that there,
-and takes the cluster down again.
+Invariant: what crossed the slow link is read from the link's interface counters, never
+computed (``_update``). ``bench_weights`` builds the cluster (or uses one that is up), runs
+``run_inside`` in the head node's network namespace, and takes the cluster down again.
+``run_transfers`` reads the same figures from a finished run's timeline.
 """
 
 from __future__ import annotations
@@ -28,6 +22,12 @@ from pathlib import Path
 import ray
 
 METHODS = ("naive", "tree", "tree+delta")
+"""How an update reaches the receivers::
+
+    naive        every receiver fetches the trainer's object: one copy per remote node crosses
+    tree         one relay per remote site fetches, the site's other nodes read the relay's copy
+    tree+delta   the same tree, and a receiver that holds version v-1 fetches only the delta
+"""
 
 
 def model_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int):
@@ -91,7 +91,8 @@ class BenchTrainer:
 @ray.remote(num_cpus=0, max_concurrency=2)
 class WeightSink:
     """A generation instance's weight path without its engine: the same receiver, relay and
-    install copy (``sgs.instance.GenerationInstance.update``)."""
+    install copy (``WeightReceiver`` + a copy into a model of the same shape, which is what
+    pauses an engine; ``sgs.instance.GenerationInstance.update``)."""
 
     def __init__(self, name: str, cfg_kwargs: dict, bucket_mb: float) -> None:
         import torch
@@ -132,7 +133,11 @@ class WeightSink:
 
 
 def _update(cl, trainer, sinks: dict, parents: dict) -> dict:
-    """One version to every sink; what crossed the link and each site, from the counters."""
+    """One version to every sink; what crossed the link and each site, from the counters.
+
+    The slow link's bytes come from its interface counters (``/proc/1/net/dev``), not computed;
+    bytes per site from each node's veth; the achieved bandwidth is the link bytes over the
+    span of the fetches that crossed it."""
     from streamrl.lab.cluster import node_rx_bytes
     from streamrl.weights.engine import tree_calls
 

@@ -1,21 +1,15 @@
 """Generation cost measurements: decode latency vs batch size, and throughput.
 
-Both functions take either a ``GenerationEngine`` (measured through its public API, so any
-backend works) or a plain transformers causal LM (measured with its own KV-cache decode loop or
-``model.generate``: the no-engine baseline). They generate real tokens; nothing is modelled.
+``profile_decode_latency`` (the per-instance cost curve PTL(BS) the planner and ``streamrl
+profile`` fit), ``context_cost`` (the step cost per running context token) and
+``measure_throughput`` (end-to-end output tokens/s). Each takes either a ``GenerationEngine``
+(measured through its public API, so any backend works) or a plain transformers causal LM
+(measured with its own KV-cache decode loop or ``model.generate``: the no-engine baseline).
 
-* ``profile_decode_latency`` -> ``[{"batch_size", "ms_per_token", "tokens_per_s"}]``: the time
-  of one decode step (every running request gains one token) with ``batch_size`` requests
-  running. For an engine it is the difference of two runs (``new_tokens`` tokens vs 1 token,
-  same prompts) divided by ``new_tokens - 1``, which removes prefill and admission cost. This
-  is the per-instance cost curve the planner and ``streamrl profile`` fit.
-* ``measure_throughput`` -> ``{"batch_size", "tokens_per_s", "wall_s", "tokens"}``: output tokens
-  per wall second for ``batch_size`` requests submitted together, end to end.
-
-Engines must be built without a reachable EOS (``eos_token_id=None``) so every request runs to
-``new_tokens``; a request that stops early raises.
-
-``python -m streamrl.lab.profiling.decode`` prints the tables for the ~1M-param tiny Qwen2.
+Invariants: real tokens are generated, nothing is modelled; engines must be built without a
+reachable EOS (``eos_token_id=None``) so every request runs to ``new_tokens``, and a request that
+stops early raises. ``python -m streamrl.lab.profiling.decode`` prints the tables for a ~1M-param
+Qwen2.
 """
 
 from __future__ import annotations
@@ -77,7 +71,12 @@ def _model_decode_s(model: Any, prompts: list[tuple[int, ...]], new_tokens: int)
 
 def profile_decode_latency(engine_or_model: Any, batch_sizes: list[int], prompt_len: int = 16,
                            new_tokens: int = 64, seed: int = 0) -> list[dict[str, float]]:
-    """Per-token decode latency at each number of running requests (see module docstring)."""
+    """Per-token decode latency at each number of running requests:
+    ``[{"batch_size", "ms_per_token", "tokens_per_s"}]``.
+
+    The time of one decode step (every running request gains one token) with ``batch_size``
+    requests running. For an engine it is the difference of two runs (``new_tokens`` tokens vs 1
+    token, same prompts) divided by ``new_tokens - 1``, which removes prefill and admission cost."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (latency is a difference of two runs)")
     is_engine = isinstance(engine_or_model, GenerationEngine)
@@ -124,7 +123,8 @@ def context_cost(engine_or_model: Any, rows: list[dict[str, float]], prompt_len:
 @torch.no_grad()
 def measure_throughput(engine_or_model: Any, batch_size: int, new_tokens: int = 100, prompt_len: int = 16,
                        seed: int = 0) -> dict[str, float]:
-    """End-to-end output tokens/s for ``batch_size`` requests of ``new_tokens`` each."""
+    """End-to-end output tokens/s for ``batch_size`` requests of ``new_tokens`` each, submitted
+    together: ``{"batch_size", "tokens_per_s", "wall_s", "tokens"}``."""
     is_engine = isinstance(engine_or_model, GenerationEngine)
     model = engine_or_model.model if is_engine else engine_or_model
     prompts = random_prompts(batch_size, prompt_len, _vocab(model), seed)

@@ -1,43 +1,14 @@
 """``streamrl profile``: measure this machine's generation and training costs for the simulator.
 
-What is measured, all on the configured policy and with real tokens (nothing is modelled):
+``measure_profile`` measures, on the configured policy: decode latency PTL(BS) of one generation
+instance, admission + prefill per request, the context cost, the trainer's costs, the overlap
+slowdowns and the colocated numbers; the result is ``scheduling.latency``'s profile file plus
+extra keys, read by ``sim.cost`` (``ProfiledDecode``, ``ProfiledTrain``) and ``simulate modes``.
 
-* **Decode latency PTL(BS)** of one generation instance, built as the live SGS builds it
-  (``controller.colocated.engine_kwargs``) but with EOS unreachable, so every request runs to the
-  requested length: ``profiling.decode.profile_decode_latency`` takes the difference of a
-  ``new_tokens``-token run and a 1-token run at each batch size, which removes prefill.
-* **Admission + prefill per request**: ``fit_prefill`` fits ``one_token_s(b) - PTL(b) = c + d * b``
-  and stores ``d`` under ``"prefill"``; the simulator charges it per admitted request.
-* **Context cost** ``kv_ms_per_token`` (``profiling.decode.context_cost``: PTL again at batch 16
-  with 200 more prompt tokens each), as ``bench scheduling`` measures it.
-* **Trainer costs** at ``trainer.threads`` threads on one generated iteration of the real
-  workload (``measure_train``): optimizer steps on dynamic batches of ``trainer.step_tokens``
-  (``train_step_tokens_per_s``), and ``Trainer.prepare_groups`` on calls of 1, 2, 4, ... live
-  units (a sample for PPO, a group for GRPO), fitted as ``prepare_s_per_pass * passes +
-  prepare_s_per_padded_token * padded tokens`` (``fit_prepare_calls``); ``sim.cost.ProfiledTrain``
-  charges calls in that form. Also the combined ``train_tokens_per_s``.
-* **Overlap slowdowns** (``profiling.overlap``): the trainer timed while an instance decodes in
-  another process, and decode latency while a trainer trains, against the solo numbers, under
-  ``"overlap"`` (``train_slowdown``, ``decode_slowdown``).
-* **Colocated numbers** (``colocated_threads``, default ``cluster.num_cpus``; 0 skips): the above
-  again in the colocated worker's process layout (``measure_colocated``: an engine alive beside
-  the trainer changes libgomp's spinning), under ``"colocated"``.
-
-Every timed piece is the median of ``REPEATS`` measurements; profile on a quiet machine (other
-processes only add time, far more to a 2-thread OpenMP team than to one thread).
-
-The profile file is ``scheduling.latency``'s format plus extra keys::
-
-    {"engine": "transformers", "model": "tiny-policy", "device": "cpu", "points": [...],
-     "train_tokens_per_s": ..., "threads": 1, "trainer_threads": 1, "params": 1234567,
-     "prompt_len_mean": 21.3, "new_tokens": 32, "train": {...}, "sample_out_lens": [...],
-     "shape": {...}, "prefill": {"s_per_request": ..., "tokens_per_s": ..., "rows": [...]},
-     "kv_ms_per_token": ..., "kv": {...},
-     "colocated": {"threads": 2, "points": [...], "train_tokens_per_s": ..., "train": {...}, "prefill": {...},
-                   "kv_ms_per_token": ..., "kv": {...}}}
-
-``sample_out_lens`` are the output lengths of the generated iteration (``simulate modes`` can
-replay them).
+Invariants: every figure is measured with real tokens (nothing is modelled), each timed piece is
+the median of ``REPEATS`` measurements, and the engine is built as the live SGS builds it but
+with EOS unreachable. ``profiling.measure`` has the measurements; ``measure_profile`` lists them
+and the file's keys.
 """
 
 from __future__ import annotations
@@ -83,7 +54,47 @@ def _cpu_name() -> str:
 def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, new_tokens: int = 32,
                     train_steps: int = 3, colocated_threads: int | None = None,
                     echo: Callable[[str], Any] = print, repeats: int = REPEATS, overlap: bool = True) -> dict[str, Any]:
-    """Measure and return the profile dict (see module docstring). Raises ``PolicyMissing``."""
+    """Measure and return the profile dict. Raises ``PolicyMissing``.
+
+    What is measured, all on the configured policy and with real tokens:
+
+    * **Decode latency PTL(BS)** of one generation instance, built as the live SGS builds it
+      (``sgs.engines.build.engine_kwargs``) but with EOS unreachable, so every request runs
+      to the requested length: ``profiling.decode.profile_decode_latency`` takes the difference
+      of a ``new_tokens``-token run and a 1-token run at each batch size, which removes prefill.
+    * **Admission + prefill per request**: ``fit_prefill`` fits ``one_token_s(b) - PTL(b) = c +
+      d * b`` and stores ``d`` under ``"prefill"``; the simulator charges it per admitted request.
+    * **Context cost** ``kv_ms_per_token`` (``profiling.decode.context_cost``: PTL again at batch
+      16 with 200 more prompt tokens each), as ``bench scheduling`` measures it.
+    * **Trainer costs** at ``trainer.threads`` threads on one generated iteration of the real
+      workload (``measure_train``): optimizer steps on dynamic batches of ``trainer.step_tokens``
+      (``train_step_tokens_per_s``), and ``Trainer.prepare_groups`` on calls of 1, 2, 4, ...
+      live units (a sample for PPO, a group for GRPO), fitted as ``prepare_s_per_pass * passes +
+      prepare_s_per_padded_token * padded tokens`` (``fit_prepare_calls``);
+      ``sim.cost.ProfiledTrain`` charges calls in that form. Also the combined
+      ``train_tokens_per_s``.
+    * **Overlap slowdowns** (``profiling.overlap``): the trainer timed while an instance decodes
+      in another process, and decode latency while a trainer trains, against the solo numbers,
+      under ``"overlap"`` (``train_slowdown``, ``decode_slowdown``).
+    * **Colocated numbers** (``colocated_threads``, default ``cluster.num_cpus``; 0 skips): the
+      above again in the colocated worker's process layout (``measure_colocated``: an engine
+      alive beside the trainer changes libgomp's spinning), under ``"colocated"``.
+
+    Every timed piece is the median of ``repeats`` measurements; profile on a quiet machine
+    (other processes only add time, far more to a 2-thread OpenMP team than to one thread).
+
+    The profile is ``scheduling.latency``'s format plus extra keys::
+
+        {"engine": "transformers", "model": "tiny-policy", "device": "cpu", "points": [...],
+         "train_tokens_per_s": ..., "threads": 1, "trainer_threads": 1, "params": 1234567,
+         "prompt_len_mean": 21.3, "new_tokens": 32, "train": {...}, "sample_out_lens": [...],
+         "shape": {...}, "prefill": {"s_per_request": ..., "tokens_per_s": ..., "rows": [...]},
+         "kv_ms_per_token": ..., "kv": {...},
+         "colocated": {"threads": 2, "points": [...], "train_tokens_per_s": ..., "train": {...},
+                       "prefill": {...}, "kv_ms_per_token": ..., "kv": {...}}}
+
+    ``sample_out_lens`` are the output lengths of the generated iteration (``simulate modes``
+    can replay them)."""
     import torch
 
     from streamrl.tasks.factory import make_task

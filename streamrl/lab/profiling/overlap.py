@@ -3,16 +3,11 @@
 In the overlapping modes (stream-sync, stream-async) an instance decodes while the trainer
 trains, on the same CPUs' shared caches, memory bandwidth and (on a small machine) cores. Timed
 alone, neither stage sees that. ``measure_overlap`` times each stage again while the other runs
-in a separate process, exactly as the live system places them (one Ray actor each):
-
-    load process: decode   (the configured engine, a full batch, EOS unreachable, refilled)
-    this process: trainer  measure_train          -> train_slowdown = overlapped / alone
-    load process: train    (the policy, AdamW steps on sequences of the workload's length)
-    this process: decode   decode_rows            -> decode_slowdown = overlapped / alone
+in a separate process, exactly as the live system places them (one Ray actor each);
+``simulate modes`` applies the slowdowns to the stream modes (``sim.live``).
 
 ``python -m streamrl.lab.profiling.overlap decode|train CONFIG_JSON THREADS SEQ_LEN`` is the load
-process: it prints ``ready`` once it works and runs until it is killed. ``simulate modes``
-applies the slowdowns to the stream modes (``sim.live``).
+process (``Load``): it prints ``ready`` once it works and runs until it is killed.
 """
 
 from __future__ import annotations
@@ -62,8 +57,14 @@ class Load:
 
 def measure_overlap(cfg: Config, model, tokenizer, samples: list, decode_points: Sequence[dict], train: dict,
                     batch_sizes: Sequence[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-    """The trainer timed under a decoding load, and decode latency under a training load (module
-    docstring), against the solo numbers ``train`` and ``decode_points`` of the same profile."""
+    """The trainer timed under a decoding load, and decode latency under a training load, against
+    the solo numbers ``train`` and ``decode_points`` of the same profile::
+
+        load process: decode   (the configured engine, a full batch, EOS unreachable, refilled)
+        this process: trainer  measure_train          -> train_slowdown = overlapped / alone
+        load process: train    (the policy, AdamW steps on sequences of the workload's length)
+        this process: decode   decode_rows            -> decode_slowdown = overlapped / alone
+    """
     from streamrl.lab.profiling.measure import decode_engine, decode_rows, measure_train
 
     g_threads, t_threads = cfg.generation.threads_per_instance, cfg.trainer.threads

@@ -1,46 +1,15 @@
 """Cost models: decode steps of a generation instance, and training work on the trainer.
 
-Everything is a roofline (bytes over bandwidth, FLOPs over peak) times an efficiency constant.
-Only PAPER.md's PTL table and scaling facts (and measured CPU profiles) were used to calibrate;
-``tests/test_sim.py`` checks the calibration.
-
-**Decode step** of an instance (TP degree ``tp``) running ``B`` sequences whose contexts sum to
-``C`` tokens::
+``RooflineDecode`` and ``RooflineTrain`` are rooflines (bytes over bandwidth, FLOPs over peak)
+times efficiency constants; ``ProfiledDecode`` and ``ProfiledTrain`` read a measured profile
+(``streamrl profile``). A roofline decode step of ``B`` sequences holding ``C`` tokens::
 
     step = T0 + max(bytes / (tp * BW * ETA_MEM), flops / (tp * PEAK * ETA_DECODE)) + t_allreduce
-    bytes = weight_bytes + kv_bytes_per_token * C
-    flops = 2 * matmul_params * B + attention_flops(C)
+    bytes = weight_bytes + kv_bytes_per_token * C;   flops = 2 * matmul_params * B + attention_flops(C)
 
-- ``T0 = 2.83 ms`` (per-step engine overhead, the same on every GPU) and ``PTL_CONTEXT = 2465``
-  tokens: **fitted** (weighted least squares on relative error) to PAPER.md's PTL table (7B, one
-  H800, BS 1..512; the paper does not state its context length); every point within 4%.
-- *Assumptions*: ``ETA_MEM = 0.8`` (HBM bandwidth reached by GEMV-like decode kernels on Hopper;
-  the table cannot separate it from ``T0``); ``ETA_DECODE = ETA_PREFILL = 0.6`` of peak BF16 FLOPs
-  (the H800 table is memory-bound throughout; it matters on H20, where large batches become
-  compute-bound); ``ALLREDUCE_LATENCY = 10 us`` per all-reduce, two per layer under TP, plus a ring
-  transfer of ``B * hidden * 2`` bytes over NVLink; ``EAGER_S_PER_LAYER = 40 us`` of launch time
-  per layer per step for verl's rollout (``enforce_eager: True``, no CUDA graphs).
-- KV capacity: ``KV_MEM_FRACTION = 0.9`` of HBM (vLLM's default) minus the weight shard; verl's
-  rollout default is 0.5.
-
-**Training** one PPO iteration on ``T`` tokens with actor, critic and reference of the same size:
-old log-probs, reference log-probs and values, then forward+backward of actor and critic, i.e.
-``9`` forward-equivalents: ``18 * P * T`` FLOPs plus ``9 * attention_flops`` of each sequence.
-Time = ``FLOPs / (y * PEAK * MFU(y))`` with
-
-    MFU(y) = MFU_BASE / (1 + KAPPA * states_bytes / (y * HBM))
-
-- ``MFU_BASE = 0.45``: *assumption* (public Megatron-LM reports, 40-50% on Hopper).
-- ``KAPPA = 0``: training scales linearly with devices (constant MFU) once its states fit. The
-  memory-pressure term is kept as an option: a value of 0.55 fits PAPER.md §1's 7B facts (training
-  time 8->16->24->32 GPUs falls to 0.54/0.30/0.19) best in least squares, but with the wrong shape
-  (0.45/0.29/0.22: too fast at 16, too slow at 32; linear gives 0.50/0.33/0.25), and it slows every
-  large model on the device counts the planner weighs (72B on 48 H800: MFU x0.74) with no
-  measurement behind that. docs/simulator.md, "Training", has the comparison.
-- ``states_bytes = (16 + 16 + 2) * P``: actor and critic with mixed-precision Adam, reference bf16
-  weights only, sharded over ``y`` devices within ``TRAIN_MEM_FRACTION = 0.7`` of HBM.
-- ``PROMPT_MEAN = 670`` tokens (workload.py): **fitted** to §1's length scaling (1K->2K output
-  multiplies training time by 1.6: ``(p + 2K) / (p + 1K) = 1.6``), consistent with "prompts < 1K".
+Invariant: only PAPER.md's PTL table and scaling facts (and measured CPU profiles) calibrate the
+constants; each one's comment says whether it is fitted or assumed, docs/simulator.md
+("Constants", "Training") gives sources and sensitivity, and ``tests/test_sim.py`` checks them.
 """
 
 from __future__ import annotations
@@ -55,18 +24,37 @@ from streamrl.scheduling.latency import LatencyModel
 from streamrl.lab.sim.hardware import Gpu
 from streamrl.lab.sim.models import ModelShape
 
+# Assumed: HBM bandwidth reached by GEMV-like decode kernels on Hopper (PAPER.md's PTL table
+# cannot separate it from T0).
 ETA_MEM = 0.8
+# Fitted (weighted least squares on relative error) to PAPER.md's PTL table (7B, one H800, BS
+# 1..512; every point within 4%): the per-step engine overhead, the same on every GPU, and the
+# context length behind the table, which the paper does not state.
 T0 = 2.83e-3
 PTL_CONTEXT = 2465
+# Assumed fractions of peak BF16 FLOPs. The H800 table is memory-bound throughout; they matter
+# on H20, where large batches become compute-bound.
 ETA_DECODE = 0.6
 ETA_PREFILL = 0.6
+# Assumed: per all-reduce, two per layer under TP, plus a ring transfer of B * hidden * 2 bytes
+# over NVLink.
 ALLREDUCE_LATENCY = 10e-6
-KV_MEM_FRACTION = 0.9
+KV_MEM_FRACTION = 0.9  # of HBM, minus the weight shard (vLLM's default; verl's rollout default is 0.5)
+# Assumed launch time per layer per step for verl's rollout (enforce_eager: True, no CUDA graphs).
 EAGER_S_PER_LAYER = 40e-6
-MFU_BASE = 0.45
+MFU_BASE = 0.45  # assumed (public Megatron-LM reports, 40-50% on Hopper)
+# MFU(y) = MFU_BASE / (1 + KAPPA * states_bytes / (y * HBM)). 0: training scales linearly with
+# devices once its states fit. 0.55 fits PAPER.md §1's 7B facts best in least squares but with
+# the wrong shape, and slows every large model on the device counts the planner weighs with no
+# measurement behind it (docs/simulator.md, "Training", has the comparison). A knob.
 KAPPA = 0.0
-TRAIN_MEM_FRACTION = 0.7
+TRAIN_MEM_FRACTION = 0.7  # of HBM that the sharded training states may fill (assumed)
+# Actor and critic with mixed-precision Adam (16 bytes each), reference bf16 weights only.
 STATE_BYTES_PER_PARAM = 16 + 16 + 2
+# One PPO iteration with actor, critic and reference of the same size: old log-probs, reference
+# log-probs and values, then forward + backward of actor and critic: 18 * P * T FLOPs plus 9
+# attention passes of each sequence. The mean prompt length (workload.PROMPT_MEAN) is fitted
+# to §1's length scaling of training time.
 TRAIN_FWD_EQUIVALENTS = 9
 CPU_OFFLOAD_BYTES_PER_S = 25e9
 """PCIe Gen5 x16 per GPU at about half its 64 GB/s peak (assumption), for state offload/reload."""

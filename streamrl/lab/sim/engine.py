@@ -1,33 +1,15 @@
 """The generation pool: continuous-batching instances in a discrete-event simulation.
 
-Dataflow of one ``generate(batch)`` call::
+Dataflow of one ``simulate_generation`` call::
 
     requests --dispatch policy--> per-instance queues (in the order policy's order)
     instance: admit from its queue while batch slots and KV cache allow
               -> decode steps (cost model) -> a request finishes -> admit the next ...
     finished requests --> the stream (finish time per request), consumed by the trainer model
 
-Events sit on one heap of ``(time, seq, instance)`` (the simpy core, without processes). Between two
-events an instance's batch is fixed, so its ``k`` decode steps are charged in closed form:
-``k * step_s(B, C0 + B * (k - 1) / 2)`` (context grows by ``B`` tokens a step; the step cost is
-linear in context, so the midpoint is exact while one roofline term dominates). An event is the
-first of: a running request finishes, or the KV cache fills. When it fills, the most recently
-admitted request is preempted (vLLM's recompute policy: it returns to the head of the queue and
-its prompt plus generated tokens are prefilled again on re-admission).
-
-Rebalancing (beyond the paper; after Seer's critique of atomic dispatch; ``rebalance``) runs the
-live SGS's check, ``scheduling.rebalance.plan_round``, whenever an instance with free batch slots has
-an empty queue: that instance takes the requests the check moves to it, queued ones on other
-instances (they have not started, so moving them costs nothing) and, with ``Rebalancing.running``
-(the live default), running ones, each at most once: the source stops it at the decode step in
-progress, its generated tokens go with it (``gen0``) and the taker prefills prompt + prefix, as
-the SGS's continuation does. The source then continues from that step at the check's time (its
-span of decode steps is cut; it loses less than one step). What the check reads is what the SGS
-would read: the *predicted* lengths (``predicted``; the true ones if none are given), each running
-request's progress (interpolated within its instance's span), ``remaining_estimate``'s overshoot
-from the ``recent`` lengths. Left out: moves into an instance other than the one whose event is
-handled (the SGS checks on a timer, here on events). Events carry a sequence number; cutting a
-span makes the instance's pending event stale.
+Invariants: events sit on one heap of ``(time, seq, instance)`` (the simpy core, without
+processes); between two events an instance's batch is fixed; a stale event is skipped.
+Rebalancing (``Rebalancing``) runs the live SGS's check, ``scheduling.rebalance.plan_round``.
 """
 
 from __future__ import annotations
@@ -59,7 +41,15 @@ class DecodeCost(Protocol):
 
 @dataclass(frozen=True)
 class Rebalancing:
-    """What the simulated SGS's rebalancing check reads (see the module docstring)."""
+    """What the simulated SGS's rebalancing check reads.
+
+    Rebalancing (beyond the paper; after Seer's critique of atomic dispatch) runs the live SGS's
+    check, ``scheduling.rebalance.plan_round``, whenever an instance with free batch slots has
+    an empty queue (``_Pool.steal_into``). What the check reads is what the SGS would read: the
+    *predicted* lengths (the true ones if none are given), each running request's progress
+    (interpolated within its instance's span), ``remaining_estimate``'s overshoot from the
+    ``recent`` lengths. Left out: moves into an instance other than the one whose event is
+    handled (the SGS checks on a timer, here on events)."""
 
     latency: LatencyModel
     """The latency model of the check (the live SGS: the instances' PTL profile)."""
@@ -130,7 +120,15 @@ class _Pool:
 
     def steal_into(self, inst: _Instance, insts: list[_Instance], t: float) -> list[_Instance]:
         """The SGS's rebalancing check at ``t``, with ``inst`` (free slots, empty queue) the taker;
-        returns the instances whose span was cut (they must be advanced again from ``t``)."""
+        returns the instances whose span was cut (they must be advanced again from ``t``).
+
+        ``inst`` takes the requests the check moves to it: queued ones on other instances (they
+        have not started, so moving them costs nothing) and, with ``Rebalancing.running`` (the
+        live default), running ones, each at most once: the source stops it at the decode step
+        in progress, its generated tokens go with it (``gen0``) and the taker prefills prompt +
+        prefix, as the SGS's continuation does. The source then continues from that step at the
+        check's time (its span of decode steps is cut; it loses less than one step), and its
+        pending event becomes stale."""
         rb = self.rebalancing
         state: dict[str, list[Unfinished]] = {}
         for o in insts:
@@ -176,6 +174,9 @@ class _Pool:
         inst.admitted.remove(rid)
 
     def preempt(self, inst: _Instance) -> None:
+        """The KV cache is full: the most recently admitted request is preempted (vLLM's recompute
+        policy: it returns to the head of the queue and its prompt plus generated tokens are
+        prefilled again on re-admission)."""
         rid = inst.admitted[-1]
         done = inst.step - inst.adm_step[rid]
         self.remove(inst, rid)
@@ -243,7 +244,10 @@ def simulate_generation(
 
 
 def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, events: list, check: bool = True) -> None:
-    """Handle an instance's event at time ``t``: finish, preempt, admit, schedule the next one."""
+    """Handle an instance's event at time ``t``: finish, preempt, admit, schedule the next one.
+
+    The next event is the first of: a running request finishes, the KV cache fills, or (with
+    arrivals) the next request arrives."""
     while inst.heap and inst.heap[0][0] <= inst.step:
         fs, rid = heapq.heappop(inst.heap)
         if inst.finish_step.get(rid) != fs:
@@ -296,6 +300,9 @@ def _advance(pool: _Pool, inst: _Instance, insts: list[_Instance], t: float, eve
         k_arr = max(1, math.ceil((head_arrival - t - prefill) / s1)) if s1 > 0 else k
         if k_arr < k:
             k, inst.pending_preempt = k_arr, False
+    # The batch is fixed until the event, so its k decode steps are charged in closed form:
+    # context grows by b tokens a step and the step cost is linear in context, so the midpoint
+    # is exact while one roofline term dominates.
     dt = prefill + k * inst.cost.step_s(b, c0 + b * (k - 1) / 2)
     inst.span = (t, inst.step, dt, k, prefill)
     inst.step += k

@@ -1,19 +1,14 @@
 """Hardware catalog and network links.
 
-GPU numbers: H800 and H20 from PAPER.md Table 1 (BF16 dense TFLOPS, HBM, HBM bandwidth, NVLink,
-relative cost of an 8-GPU machine). H200 and A100 are not in the paper; their numbers are NVIDIA's
-public datasheets (H200 SXM: 989 dense BF16 TFLOPS, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s;
-A100 SXM 80 GB: 312 TFLOPS, 2.039 TB/s, NVLink 600 GB/s). Their relative machine costs are our
-assumption (rough ratios of public cloud on-demand prices, 2025, normalised to an H20 machine =
-1.00); only `simulate hetero` and `plan` print costs, and only H20/H800 come from the paper.
+``GPUS``: H800 and H20 from PAPER.md Table 1 (BF16 dense TFLOPS, HBM, HBM bandwidth, NVLink,
+relative cost of an 8-GPU machine); H200 and A100 from NVIDIA's public datasheets, their machine
+costs our assumption (each ``Gpu`` says its ``cost_source``). Networks (PAPER.md §3.5): H800
+nodes have 8 x 200 Gbps RoCE (one NIC per GPU); the H20 site has 100 Gbps TCP per node; the two
+sites are joined by one 80 Gbps link (``CROSS_DC_LINK``).
 
-Networks (PAPER.md §3.5): H800 nodes have 8 x 200 Gbps RoCE (one NIC per GPU); the H20 site has
-100 Gbps TCP per node; the two sites are joined by one 80 Gbps link.
-
-A ``Link`` moves ``nbytes`` in ``latency_s + nbytes / bandwidth``. A pipelined broadcast over a
-chain of hops in chunks costs ``sum(latency) + nbytes / min(bandwidth) + (hops - 1) * chunk /
-min(bandwidth)`` (store-and-forward of the first chunk at each hop, then the slowest hop paces
-the stream).
+A ``Link`` moves ``nbytes`` in ``latency_s + nbytes / bandwidth``; ``pipelined_chain_s``,
+``broadcast_in_dc_s`` and ``weight_push_s`` build weight pushes from links. Only ``simulate
+hetero`` and ``plan`` print costs, and only H20/H800 costs come from the paper.
 """
 
 from __future__ import annotations
@@ -59,6 +54,10 @@ GPUS: dict[str, Gpu] = {
     "H800": Gpu("H800", 989.5, 80, 3.35, 400, 200, 2.85),
     # 100 Gbps TCP per 8-GPU node in the paper's H20 site.
     "H20": Gpu("H20", 148, 96, 4.0, 900, 100 / 8, 1.00),
+    # Not in the paper: NVIDIA's public datasheets (H200 SXM: 989 dense BF16 TFLOPS, 141 GB HBM3e,
+    # 4.8 TB/s, NVLink 900 GB/s; A100 SXM 80 GB: 312 TFLOPS, 2.039 TB/s, NVLink 600 GB/s). Their
+    # machine costs are our assumption: rough ratios of public cloud on-demand prices (2025),
+    # normalised to an H20 machine = 1.00.
     "H200": Gpu("H200", 989.5, 141, 4.8, 900, 400, 3.6, "assumption: cloud price ratio"),
     "A100": Gpu("A100", 312, 80, 2.039, 600, 200, 1.3, "assumption: cloud price ratio"),
 }
@@ -96,7 +95,9 @@ TCP_LATENCY_S = 100e-6
 
 
 def pipelined_chain_s(nbytes: float, hops: Sequence[Link], chunk_bytes: float = 64e6) -> float:
-    """Time to push ``nbytes`` through ``hops`` in ``chunk_bytes`` chunks (pipelined)."""
+    """Time to push ``nbytes`` through ``hops`` in ``chunk_bytes`` chunks (pipelined):
+    ``sum(latency) + nbytes / min(bandwidth) + (hops - 1) * chunk / min(bandwidth)``
+    (store-and-forward of the first chunk at each hop, then the slowest hop paces the stream)."""
     if not hops:
         return 0.0
     slowest = min(h.bandwidth for h in hops)

@@ -3,39 +3,11 @@
 ``streamrl simulate modes`` closes the loop between the simulator and the live system: the same
 ``systems.run_system`` (same dispatch, order and pipelining code) runs on cost models read from
 ``streamrl profile``'s file instead of the roofline, on the workload of the bench config, and is
-compared mode by mode with what ``streamrl bench modes`` measured.
+compared mode by mode with what ``streamrl bench modes`` measured (``compare_with_bench``).
 
-Assumptions of the simulated tiny setup (each printed by the command):
-
-- **Workload**: ``prompts_per_iter x n_samples`` requests per iteration, every prompt of the
-  profile's mean prompt length, output lengths drawn with replacement from a pool clipped to
-  ``max_new_tokens``: the first found of the bench JSON's lengths, ``--lengths``, the profile's
-  ``sample_out_lens``, the synthetic task's reference solutions (``len(solution) + 1`` for EOS).
-- **Generation**: ``generation.num_instances`` instances with the profile's PTL(BS) plus its
-  context term ``kv_ms_per_token`` beyond the PTL runs' own (``cost.ProfiledDecode``), at most
-  ``generation.max_requests_per_batch`` running, FIFO admission, the config's dispatch policy;
-  each admitted request costs the profile's measured admission + prefill (``"prefill"``).
-- **Training**: one trainer CPU with the profile's costs (``cost.ProfiledTrain``), best form
-  first: each trainer call prepares its samples together in length-sorted passes of
-  ``micro_batch_tokens`` at the fitted per-pass and per-padded-token costs, plus
-  ``1 / train_step_tokens_per_s`` per token of optimizer steps; else ``train_tokens_per_s`` per
-  token. The calls are the live controller's: the whole iteration in one call in disagg-batch and
-  colocated; in the stream modes ``systems.call_stream_train``'s outbox rule (a sample finishing
-  while the trainer is free goes alone, those finishing while it is busy go together), a step
-  whenever ``trainer.step_tokens`` are buffered. The stream unit is one sample (PPO's).
-- **Colocated**: one worker with ``cluster.num_cpus`` threads for both stages, as the live
-  ``ColocatedWorker``. Its costs are the profile's ``"colocated"`` numbers (measured in the
-  worker's process layout: ``profiling.measure.measure_colocated``) when it has them, else the
-  1-thread numbers scaled by the bench JSON's ``thread_scaling`` rows, else the 1-thread numbers.
-  The switch between the stages (``WEIGHT_INSTALL_S``) is charged once per iteration.
-- **Overlap**: in stream-sync and stream-async an instance decodes while the trainer trains. The
-  profile's ``"overlap"`` slowdowns (each stage timed while the other runs in another process,
-  ``profiling.overlap``) scale their decode and trainer costs for the whole iteration, an upper
-  bound of the interference (an iteration's ends run alone). Without them the stages are
-  assumed not to slow each other down. disagg-batch and colocated run one stage at a time.
-- **Weights**: disaggregated pushes are charged for the tiny model's bytes on the simulator's
-  links; Ray object-store hops and actor RPCs are not modelled.
-- **Timing window**: like the bench, ``iterations`` iterations from an idle pipeline.
+Invariant: every assumption of the simulated tiny setup is printed by the command (the
+``assumptions`` of ``simulate_tiny_modes``, whose docstring lists them); Ray's object-store hops
+and actor RPCs are not modelled.
 """
 
 from __future__ import annotations
@@ -166,8 +138,8 @@ iteration."""
 def profiled_train(section: dict) -> tuple[C.ProfiledTrain, str]:
     """The trainer cost of a profile section (the profile itself, or its ``"colocated"`` part).
 
-    Call form when the section's ``train`` has it (see the module docstring), else the combined
-    ``train_tokens_per_s`` per token."""
+    Call form when the section's ``train`` has it (``simulate_tiny_modes``, "Training"), else
+    the combined ``train_tokens_per_s`` per token."""
     tr = section.get("train") or {}
     if tr.get("train_step_tokens_per_s") and tr.get("prepare_s_per_pass") is not None:
         train = C.ProfiledTrain(float(tr["train_step_tokens_per_s"]), 1, 1, float(tr["prepare_s_per_pass"]),
@@ -217,7 +189,41 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
                         num_instances: int = 1, max_batch: int = 64, dispatch: str = "round-robin",
                         iterations: int = 6, seed: int = 0, modes: Sequence[str] = MODES,
                         colocated_threads: int = 2, thread_scaling: Sequence[dict] | None = None) -> dict[str, Any]:
-    """Simulated rows (one per mode) and the assumptions used."""
+    """Simulated rows (one per mode) and the assumptions used, each of them printed:
+
+    - **Workload**: ``prompts_per_iter x n_samples`` requests per iteration, every prompt of the
+      profile's mean prompt length, output lengths drawn with replacement from ``lengths``
+      clipped to ``max_new_tokens`` (the caller passes the first found of the bench JSON's
+      lengths, ``--lengths``, the profile's ``sample_out_lens``, the synthetic task's reference
+      solutions: ``len(solution) + 1`` for EOS).
+    - **Generation**: ``num_instances`` instances with the profile's PTL(BS) plus its context
+      term ``kv_ms_per_token`` beyond the PTL runs' own (``cost.ProfiledDecode``), at most
+      ``max_batch`` running, FIFO admission, the config's dispatch policy; each admitted request
+      costs the profile's measured admission + prefill (``"prefill"``).
+    - **Training**: one trainer CPU with the profile's costs (``cost.ProfiledTrain``), best form
+      first: each trainer call prepares its samples together in length-sorted passes of
+      ``micro_batch_tokens`` at the fitted per-pass and per-padded-token costs, plus
+      ``1 / train_step_tokens_per_s`` per token of optimizer steps; else
+      ``train_tokens_per_s`` per token. The calls are the live controller's: the whole iteration
+      in one call in disagg-batch and colocated; in the stream modes
+      ``systems.call_stream_train``'s outbox rule (a sample finishing while the trainer is free
+      goes alone, those finishing while it is busy go together), a step whenever
+      ``step_tokens`` are buffered. The stream unit is one sample (PPO's).
+    - **Colocated**: one worker with ``colocated_threads`` threads for both stages, as the live
+      ``ColocatedWorker``. Its costs are the profile's ``"colocated"`` numbers (measured in the
+      worker's process layout: ``profiling.measure.measure_colocated``) when it has them, else
+      the 1-thread numbers scaled by the bench JSON's ``thread_scaling`` rows, else the 1-thread
+      numbers. The switch between the stages (``WEIGHT_INSTALL_S``) is charged once per
+      iteration.
+    - **Overlap**: in stream-sync and stream-async an instance decodes while the trainer trains.
+      The profile's ``"overlap"`` slowdowns (each stage timed while the other runs in another
+      process, ``profiling.overlap``) scale their decode and trainer costs for the whole
+      iteration, an upper bound of the interference (an iteration's ends run alone). Without
+      them the stages are assumed not to slow each other down. disagg-batch and colocated run
+      one stage at a time.
+    - **Weights**: disaggregated pushes are charged for the tiny model's bytes on the
+      simulator's links; Ray object-store hops and actor RPCs are not modelled.
+    - **Timing window**: like the bench, ``iterations`` iterations from an idle pipeline."""
     latency = latency_from_dict(profile)
     shape = tiny_shape(profile)
     pool = np.clip(np.asarray([x for x in lengths if x > 0], float), 1, max_new_tokens)

@@ -1,23 +1,14 @@
 """RL systems on a simulated cluster: how generation, training and weight pushes interleave.
 
-Per iteration ``i`` (one RL step over the global batch)::
+``SYSTEMS`` names each system (a pipeline mode of ``streamrl.modes`` plus scheduling policies
+and verl's settings); ``run_system`` simulates RL iterations of one on a ``Deployment`` (devices,
+cost models, links) and ``run_partial`` the partial-rollout systems. Generation runs in
+``sim.engine``, training on ``sim.cost``'s models, weight pushes on ``sim.hardware``'s links.
 
-    colocated (verl, colocated): gen(i) on all GPUs -> switch -> train(i) on all GPUs -> switch
-    disagg-batch : gen(i) -> train(i) -> push W_i -> gen(i+1)               (nothing overlaps)
-    stream-sync  : trainer consumes gen(i)'s samples as they finish, in dynamic batches of at
-                   least MIN_TOKENS_PER_GPU * train_gpus tokens -> push W_i -> gen(i+1); with a
-                   profiled trainer (``cost.ProfiledTrain``, the live CPU trainer) the samples reach
-                   it in the live controller's calls instead (``call_stream_train``: batched prepare
-                   per call, samples finishing while it is busy wait for its next call)
-    stream-async : gen(i) needs only W_{i-1-s} (staleness s = 1 in the paper): it starts when the
-                   SGS is free and that version has arrived; pushes overlap the next training step
-
-Colocated switch costs (documented per system below): resharding the trainer's weights into the
-engine's TP layout (each GPU receives ``weight_bytes / tp`` over its NIC), and for our colocated
-system, offloading training states to CPU during generation and reloading them (``offload_s``).
-verl keeps states resident and gives vLLM ``gpu_memory_utilization = 0.5`` with
-``enforce_eager = True`` (its documented rollout defaults), and trains with FSDP at
-``VERL_MFU_SCALE`` of our trainer's MFU.
+Invariant: dispatch, order and rebalancing are the live system's own code
+(``streamrl.scheduling``); the staleness bound, partial rollout's admission and the trainer
+actor's calls follow the live pipelines (each such function names the code it mirrors).
+docs/design.md, "Simulator", and docs/simulator.md say what is modelled and what is not.
 """
 
 from __future__ import annotations
@@ -321,7 +312,13 @@ class RunResult:
 
 
 def switch_s(spec: SystemSpec, dep: Deployment) -> float:
-    """Per-iteration cost of switching colocated GPUs between training and generation."""
+    """Per-iteration cost of switching colocated GPUs between training and generation.
+
+    Resharding the trainer's weights into the engine's TP layout (each GPU receives
+    ``weight_bytes / tp`` over its NIC), and for our colocated system, offloading training
+    states to CPU during generation and reloading them (``offload_s``). verl keeps states
+    resident and gives vLLM ``gpu_memory_utilization = 0.5`` with ``enforce_eager = True`` (its
+    documented rollout defaults), and trains with FSDP at ``VERL_MFU_SCALE`` of our trainer's MFU."""
     if dep.switch_override is not None:
         return float(dep.switch_override)
     reshard = dep.model.weight_bytes / dep.tp / node_link(dep.gen_gpu).bandwidth
@@ -339,7 +336,22 @@ def run_system(
     length_scales: list[float] | None = None, warmup: int = 1, min_tokens_per_gpu: float | None = None,
 ) -> RunResult:
     """Simulate ``iterations`` RL steps; the first ``warmup`` are excluded from throughput.
-    ``min_tokens_per_gpu``: the stream-sync dynamic batch threshold (None: ``MIN_TOKENS_PER_GPU``)."""
+    ``min_tokens_per_gpu``: the stream-sync dynamic batch threshold (None: ``MIN_TOKENS_PER_GPU``).
+
+    Per iteration ``i`` (one RL step over the global batch)::
+
+        colocated (verl, colocated): gen(i) on all GPUs -> switch -> train(i) on all GPUs -> switch
+        disagg-batch : gen(i) -> train(i) -> push W_i -> gen(i+1)               (nothing overlaps)
+        stream-sync  : trainer consumes gen(i)'s samples as they finish, in dynamic batches of at
+                       least MIN_TOKENS_PER_GPU * train_gpus tokens -> push W_i -> gen(i+1); with a
+                       profiled trainer (``cost.ProfiledTrain``, the live CPU trainer) the samples
+                       reach it in the live controller's calls instead (``call_stream_train``:
+                       batched prepare per call, samples finishing while it is busy wait for its
+                       next call)
+        stream-async : gen(i) needs only W_{i-1-s} (staleness s = 1 in the paper): it starts when
+                       the SGS is free and that version has arrived; pushes overlap the next
+                       training step
+    """
     if min_tokens_per_gpu is None:
         min_tokens_per_gpu = MIN_TOKENS_PER_GPU
     if spec.partial:

@@ -1,21 +1,13 @@
 """Simulated workloads: prompt lengths, true output lengths, and the ranker's predictions.
 
-- ``R1Lengths`` (default): output lengths shaped like DeepSeek-R1 reasoning traces (PAPER.md §4:
-  mode ~2K at a 20K cap, long tail to the cap), scaled proportionally for other caps. A log-normal
-  with mode ``0.1 * cap`` and ``sigma = 0.9`` (median 0.22 cap, mean 0.3 cap, ~5% of samples
-  hit the cap), clipped to ``[16, cap]``. The shape is our choice; the real long-CoT lengths in
-  ``../shared/data/skythought_response_lengths.csv`` are similar (median 3.2K, heavy tail, capped).
-- ``ReplayLengths``: lengths replayed from a file (that CSV's ``response_wtok`` column times
-  ``TOKENS_PER_WTOK``, or a plain one-number-per-line file), resampled with replacement and scaled
-  so the file's maximum maps to the cap (``scale=True``) or clipped to it.
-- Prompts: log-normal, mean ``PROMPT_MEAN = 670`` tokens (fitted in cost.py from §1), capped at
-  5.8K (PAPER.md §4: "mostly < 1K tokens, max ~5.8K").
-- Ranker: predicted length = true length times log-normal noise; ``RANKER_SIGMA = 0.2`` gives a
-  top-20% / 10% recall of ~0.88 / 0.82 on the default workload (PAPER.md Table 4, Qwen2.5-7B ranker:
-  0.87 / 0.82; top-5% is lower, 0.6, because ~5% of samples tie at the cap); checked in
-  tests. ``sigma=0`` is an oracle.
+``Workload`` draws one iteration's ``Batch``: prompt lengths (log-normal, mean ``PROMPT_MEAN``,
+capped at ``PROMPT_MAX``), output lengths from ``R1Lengths`` (the default: shaped like DeepSeek-R1
+reasoning traces) or ``ReplayLengths`` (replayed from a file), and the ranker's predictions
+(true length times log-normal noise of ``RANKER_SIGMA``; ``sigma=0`` is an oracle).
 
-Data directory: ``$STREAMRL_DATA_DIR`` or ``../shared/data`` next to the repository root.
+Invariant: the same generator state gives the same batch. Sources of the constants:
+docs/simulator.md, "Constants". Data directory: ``$STREAMRL_DATA_DIR`` or ``../shared/data``
+next to the repository root (``data_dir``).
 """
 
 from __future__ import annotations
@@ -29,9 +21,13 @@ from typing import Sequence
 
 import numpy as np
 
+# Fitted to PAPER.md §1's length scaling (1K -> 2K output multiplies training time by 1.6:
+# (p + 2K) / (p + 1K) = 1.6), consistent with its "prompts < 1K".
 PROMPT_MEAN = 670.0
 PROMPT_SIGMA = 0.6
-PROMPT_MAX = 5800
+PROMPT_MAX = 5800  # PAPER.md §4: "mostly < 1K tokens, max ~5.8K"
+# Chosen to give PAPER.md Table 4's top-20% / 10% recall (Qwen2.5-7B ranker: 0.87 / 0.82); top-5%
+# comes out lower because ~5% of R1 samples tie at the cap. Checked in tests.
 RANKER_SIGMA = 0.2
 TOKENS_PER_WTOK = 1.4
 """Model tokens per whitespace token on these traces (data README: 1.2-1.75)."""
@@ -61,6 +57,12 @@ class Batch:
 
 
 class R1Lengths:
+    """Output lengths shaped like DeepSeek-R1 reasoning traces (PAPER.md §4: mode ~2K at a 20K
+    cap, long tail to the cap), scaled proportionally for other caps: a log-normal with mode
+    ``0.1 * cap`` and ``sigma = 0.9`` (median 0.22 cap, mean 0.3 cap, ~5% of samples hit the cap),
+    clipped to ``[16, cap]``. The shape is our choice; the real long-CoT lengths in
+    ``../shared/data/skythought_response_lengths.csv`` are similar (heavy tail, capped)."""
+
     def __init__(self, max_len: int, sigma: float = 0.9, mode_frac: float = 0.1) -> None:
         if max_len < 16:
             raise ValueError(f"max_len={max_len} must be >= 16 tokens")
@@ -76,6 +78,10 @@ class R1Lengths:
 
 
 class ReplayLengths:
+    """Lengths replayed from a file (the SkyThought CSV's ``response_wtok`` column times
+    ``TOKENS_PER_WTOK``, or a plain one-number-per-line file), resampled with replacement and
+    scaled so the file's maximum maps to the cap (``scale=True``) or clipped to it."""
+
     def __init__(self, lengths: Sequence[float], max_len: int, scale: bool = True, name: str = "replay") -> None:
         arr = np.asarray([x for x in lengths if x > 0], dtype=float)
         if arr.size == 0:

@@ -1,36 +1,14 @@
 """The generation-engine interface every backend implements, and the factory that picks one.
 
 An engine turns ``GenRequest`` records into ``Completion`` records with real token-by-token
-generation on one model replica. It is the innermost layer of the Stream Generation Service:
+generation on one model replica: the innermost layer of the Stream Generation Service.
+``GenerationEngine`` states the contract every backend keeps (non-blocking ``add_request``,
+admission in priority order, completions as they finish, exact version stamps, each request
+returned at most once, failures raised as ``EngineError``); ``QueueBookkeeping`` is the request
+bookkeeping both backends share; ``tests/test_engine_conformance.py`` checks every backend.
 
-    caller (instance actor / test)                 engine                        caller
-    ------------------------------                 ------                        ------
-    add_request(GenRequest) ──► admission queue (priority order) ──► running batch
-                                                                          │ finishes
-    get_completions(timeout) ◄──────────── finished queue ◄───────────────┘
-    update_weights(state_dict, v): pause the running batch → copy in place → resume
-
-Contract (what callers may rely on, whatever the backend):
-
-* ``add_request`` never blocks on generation; it is callable while other requests run.
-* A request leaves the admission queue in ``GenRequest.priority`` order (larger first; ties
-  FIFO) whenever the running batch has room: this is the in-instance LPT order.
-* ``get_completions`` returns each request as soon as it finishes, not in submission order.
-  It blocks up to ``timeout`` for at least one; it returns ``[]`` on timeout, and returns
-  ``[]`` at once when nothing is pending or finished (so a caller can never hang on an idle
-  engine).
-* Every ``Completion`` carries ``version_start`` (policy version installed when the engine
-  admitted it) and ``version_end`` (installed when its last token was sampled); they differ
-  exactly when an ``update_weights`` happened while it was generating. ``logprobs`` holds the
-  log-probability of each sampled token under the distribution it was sampled from
-  (temperature and top-p applied), one per output token; the trainer uses them as the
-  old-policy log-probs.
-* Each request is returned at most once; a cancelled request is never returned.
-* Engine failures raise (``EngineError``) from ``get_completions`` with the offending request;
-  nothing is silently dropped.
-
-Backends register here by name; ``make_engine`` imports a backend only when asked for, so
-importing this module pulls in no model library.
+Backends register in ``ENGINES`` by name; ``make_engine`` imports a backend only when asked for,
+so importing this module pulls in no model library.
 """
 
 from __future__ import annotations
@@ -298,7 +276,33 @@ class QueueBookkeeping:
 
 
 class GenerationEngine(ABC):
-    """One model replica generating many requests at once (continuous batching)."""
+    """One model replica generating many requests at once (continuous batching)::
+
+        caller (instance actor / test)                 engine                        caller
+        ------------------------------                 ------                        ------
+        add_request(GenRequest) ──► admission queue (priority order) ──► running batch
+                                                                              │ finishes
+        get_completions(timeout) ◄──────────── finished queue ◄───────────────┘
+        update_weights(state_dict, v): pause the running batch → copy in place → resume
+
+    Contract (what callers may rely on, whatever the backend):
+
+    * ``add_request`` never blocks on generation; it is callable while other requests run.
+    * A request leaves the admission queue in ``GenRequest.priority`` order (larger first; ties
+      FIFO) whenever the running batch has room: this is the in-instance LPT order.
+    * ``get_completions`` returns each request as soon as it finishes, not in submission order.
+      It blocks up to ``timeout`` for at least one; it returns ``[]`` on timeout, and returns
+      ``[]`` at once when nothing is pending or finished (so a caller can never hang on an idle
+      engine).
+    * Every ``Completion`` carries ``version_start`` (policy version installed when the engine
+      admitted it) and ``version_end`` (installed when its last token was sampled); they differ
+      exactly when an ``update_weights`` happened while it was generating. ``logprobs`` holds the
+      log-probability of each sampled token under the distribution it was sampled from
+      (temperature and top-p applied), one per output token; the trainer uses them as the
+      old-policy log-probs.
+    * Each request is returned at most once; a cancelled request is never returned.
+    * Engine failures raise (``EngineError``) from ``get_completions`` with the offending
+      request; nothing is silently dropped."""
 
     @abstractmethod
     def add_request(self, req: GenRequest) -> None:

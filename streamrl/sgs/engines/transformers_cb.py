@@ -1,44 +1,14 @@
 """Generation engine on transformers' continuous batching (``model.init_continuous_batching``).
 
-Dataflow (three threads; ``_lock`` guards every structure below):
+The default backend (``generation.engine: transformers``): ``TransformersCBEngine`` keeps the
+``GenerationEngine`` contract (``engines/base.py``) around an already loaded causal LM, with
+three threads (callers, our drain thread, CB's loop); ``_lock`` guards our structures.
 
-    caller thread                      drain thread (ours)              CB loop thread (transformers)
-    -------------                      -------------------              -----------------------------
-    add_request ─► _waiting (heap by priority)
-                   │ _admit(): while len(_inflight) < max_inflight
-                   └──► manager.add_request ───────────────────────────► input_queue → scheduler
-                                                                         step: forward + sample one
-                                                                         token per running request
-                        manager.get_result(0.05) ◄── output_queue ◄──── finished request
-                        → Completion → _done; _admit() refills
-    get_completions ◄── _done (Condition; blocks up to timeout)
-    update_weights ─► manager.pause(): waits for the CB loop to park between steps,
-                      copies tensors in place, logs (time, version), resumes
-
-* Admission order (LPT). CB's own scheduler is FIFO, so this wrapper holds requests in its own
-  heap (``-priority``, arrival) and hands CB at most ``max_inflight`` (default
-  ``max_requests_per_batch``) at a time; the largest priority goes first whenever a slot frees.
-* Log-probs are CB's ``log(softmax(processed_scores))[token]``: the fp32 logits after
-  temperature and top-p, the same softmax the token is drawn from. Greedy requests get the
-  temperature-1 log-prob of the argmax. A sampled EOS is part of ``output_ids`` with its log-prob.
-* Versions. ``version_start``: installed when this wrapper handed the request to CB;
-  ``version_end``: installed when CB sampled its last token (CB's finish stamp, looked up in a
-  log of install times). Weights are copied only while the loop is parked between steps, so no
-  step straddles an update, and the copy records how many tokens each running request had:
-  ``token_versions`` gives every token the version that sampled it (partial rollout), and
-  ``version_start`` becomes the first token's.
-* Prefix sharing is disabled: CB's prefix cache would reuse KV blocks computed under old weights.
-* Attention. ``attention="varlen"`` (the default) routes CB's CPU attention through
-  ``varlen_attention.py`` (each request attends to its own keys); ``"dense"`` keeps transformers'
-  packed masked path, whose cost grows with (running requests)^2 x context.
-
-Caveats found in transformers 5.23 CB:
-* ``cancel_request`` delivers no output, and a request finishing in the same step can still be
-  delivered, so cancelled ids are remembered and their late results dropped.
-* Starting the loop calls ``torch.manual_seed`` (process-wide); sampling uses the global torch RNG.
-* The manager switches the model's attention implementation and owns the model while it runs.
-* A bad token id kills the loop thread for every request; ids are validated before submission.
-* ``pause()`` parks the loop only between steps, so ``update_weights`` waits for at most one step.
+Invariants: admission order is ours (our priority heap hands CB at most ``max_inflight``
+requests); weights are copied only while CB's loop is parked between two steps, so no step
+straddles an update and every token carries the version that sampled it; prefix sharing is off.
+The class docstring has the dataflow; caveats found in transformers 5.23 CB sit beside the lines
+they explain. docs/design.md, "Generation", says why.
 """
 
 from __future__ import annotations
@@ -60,7 +30,38 @@ _DRAIN_POLL_S = 0.05  # how often the drain thread re-checks the stop flag when 
 
 
 class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
-    """Continuous-batching engine around an already loaded transformers causal LM."""
+    """Continuous-batching engine around an already loaded transformers causal LM.
+
+    Dataflow (three threads; ``_lock`` guards every structure below)::
+
+        caller thread                      drain thread (ours)              CB loop thread (transformers)
+        -------------                      -------------------              -----------------------------
+        add_request ─► _waiting (heap by priority)
+                       │ _admit(): while len(_inflight) < max_inflight
+                       └──► manager.add_request ───────────────────────────► input_queue → scheduler
+                                                                             step: forward + sample one
+                                                                             token per running request
+                            manager.get_result(0.05) ◄── output_queue ◄──── finished request
+                            → Completion → _done; _admit() refills
+        get_completions ◄── _done (Condition; blocks up to timeout)
+        update_weights ─► manager.pause(): waits for the CB loop to park between steps,
+                          copies tensors in place, logs (time, version), resumes
+
+    * Admission order (LPT). CB's own scheduler is FIFO, so this wrapper holds requests in its
+      own heap (``-priority``, arrival) and hands CB at most ``max_inflight`` (default
+      ``max_requests_per_batch``) at a time; the largest priority goes first whenever a slot frees.
+    * Log-probs are CB's ``log(softmax(processed_scores))[token]``: the fp32 logits after
+      temperature and top-p, the same softmax the token is drawn from. Greedy requests get the
+      temperature-1 log-prob of the argmax. A sampled EOS is part of ``output_ids`` with its log-prob.
+    * Versions. ``version_start``: installed when this wrapper handed the request to CB;
+      ``version_end``: installed when CB sampled its last token (CB's finish stamp, looked up in a
+      log of install times). Weights are copied only while the loop is parked between steps, so
+      no step straddles an update, and the copy records how many tokens each running request
+      had: ``token_versions`` gives every token the version that sampled it (partial rollout),
+      and ``version_start`` becomes the first token's.
+    * Attention. ``attention="varlen"`` (the default) routes CB's CPU attention through
+      ``varlen_attention.py`` (each request attends to its own keys); ``"dense"`` keeps
+      transformers' packed masked path, whose cost grows with (running requests)^2 x context."""
 
     _seq_limit = "the KV cache (num_blocks x page_size)"
     supports_preempt = True
@@ -91,12 +92,15 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         check_arg(isinstance(page_size, int) and page_size >= 4, "page_size", page_size, "an int >= 4 (CB minimum)")
 
         torch.set_num_threads(num_threads)  # process-wide: the CB loop thread uses the same pool
+        # The CB manager switches the model's attention implementation and owns the model while it runs.
         if attention == "varlen":
             from streamrl.sgs.engines.varlen_attention import install
 
             install(model)
         self.model = model
         self.instance = instance
+        # A bad token id kills CB's loop thread for every request, so ids are validated against
+        # this before submission.
         self._vocab_size = int(model.config.get_text_config().vocab_size)
         eos_list = eos_ids(eos_token_id, self._vocab_size)
         self._eos_ids = frozenset(eos_list)
@@ -108,6 +112,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             do_sample=not greedy, temperature=None if greedy else temperature, top_p=None if greedy else top_p,
             top_k=0, eos_token_id=eos_list if eos_list else -1, pad_token_id=pad_token_id,
         )
+        # allow_block_sharing=False: CB's prefix cache would reuse KV blocks computed under old weights.
         cb_cfg = ContinuousBatchingConfig(
             return_logprobs=True, page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=max_requests_per_batch, allow_block_sharing=False, seed=seed,
@@ -115,13 +120,15 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         self._manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
 
         self._init_queues(initial_version)  # _inflight: cb_id -> (req, t_start wall, version at hand-over)
-        self._cancelled_cb_ids: set[str] = set()  # cancelled in flight: drop a late result
+        # CB's cancel_request delivers no output, and a request finishing in the same step can still
+        # be delivered: cancelled ids are remembered and their late results dropped.
+        self._cancelled_cb_ids: set[str] = set()
         self._boundaries: dict[str, list[tuple[int, int]]] = {}  # cb_id -> (tokens before an update, its version)
         # Versions: (perf_counter at install, version), appended inside the pause.
         self._version_log: list[tuple[float, int]] = [(float("-inf"), initial_version)]
         self._wall_minus_perf = time.time() - time.perf_counter()
 
-        self._manager.start()
+        self._manager.start()  # calls torch.manual_seed (process-wide); sampling uses the global torch RNG
         self._drain_thread = threading.Thread(target=self._drain_loop, name=f"cb-drain-{instance}", daemon=True)
         self._drain_thread.start()
 
@@ -274,7 +281,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         with self._lock:
             self._raise_if_unusable()
         t0 = time.perf_counter()
-        with self._manager.pause():  # returns once the loop is parked between two steps
+        with self._manager.pause():  # returns once the loop is parked between two steps: waits at most one step
             t1 = time.perf_counter()
             # Under _lock: a request admitted during the copy is stamped with the new version.
             with self._lock, torch.no_grad():

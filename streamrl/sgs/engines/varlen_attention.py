@@ -1,33 +1,15 @@
 """Per-request (varlen) attention for transformers' continuous batching on CPU.
 
-Why. Without flash attention, continuous batching (CB) runs ``paged|eager``: it packs every
-running request's new tokens into one query sequence and every request's cached tokens into
-one key sequence, and multiplies them densely under a block-diagonal mask. One decode step with
-B running requests of context c then costs B x (B x c) query-key products, almost all masked
-away, so a batch that holds long requests is far slower per token than it needs to be, and a
-request's cost depends on the contexts of the others in its batch (docs/experiments.md). Flash
-and paged kernels on a GPU (and vLLM) attend each request to its own keys only.
+Without flash attention, continuous batching (CB) runs ``paged|eager``: every running request's
+new tokens packed into one query sequence, every request's cached tokens into one key sequence,
+multiplied densely under a block-diagonal mask. A decode step with B running requests of context
+c then costs B x (B x c) query-key products, almost all masked away, and a request's cost depends
+on the contexts of the others in its batch (docs/experiments.md). Flash and paged kernels on a
+GPU (and vLLM) attend each request to its own keys only; ``varlen_paged_attention`` does so here.
 
-What. ``varlen_paged_attention`` has the signature of transformers' attention functions.
-``install()`` registers it under the two names CB runs with (``sdpa``, the tiny policy's
-default, and ``paged|eager``), each wrapped so that a call *without* CB's paged cache goes to
-transformers' original function unchanged. It does the same cache update as the originals,
-then attends each request to its own keys only (from ``cu_seq_lens_q`` / ``cu_seq_lens_k``):
-the decoding requests (one new token each) are sorted by context length and cut into buckets,
-a cut wherever it pads ``SPLIT_MIN_KEYS`` (1024) keys fewer; each bucket shares one SDPA over its
-keys padded to its longest, ``[B_b, heads, 1, max_k_b]``; a request in prefill (a chunk of q new
-tokens, k keys) gets its own causal SDPA where query t sees keys ``j <= k - q + t``, so a prefill
-chunk never pads the decoders' queries. Cost: about sum(k) over the decoders plus sum(q x k) over
-prefill chunks, instead of (sum q) x (sum k). Buckets, because one bucket padded to the longest
-makes one long request cost like all of them long, and a bucket per length adds small ops per
-layer that cost more than they save. The outputs go back into the packed layout CB expects. It
-is the same softmax over the same keys (log-probs agree with the dense path to ~1e-5).
-
-Scope. ``install(model)`` marks that model's attention layers and wraps two entries of
-transformers' process-wide attention registry. Only marked layers called with CB's paged cache
-take the varlen path: standard forwards (the colocated trainer's, on its own model copy),
-engines built with ``attention="dense"`` and layers with attention sinks or a sliding window
-reach transformers' original functions.
+Invariants: the same cache update and the same softmax over the same keys as transformers' own
+functions (docs/results.md compares log-probs); only layers ``install`` marked, called with CB's
+paged cache, take this path; every other call reaches transformers' original function unchanged.
 """
 
 from __future__ import annotations
@@ -95,7 +77,19 @@ def _plan(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, n_keys: int) -> _Plan:
 
 @torch.compiler.disable
 def varlen_paged_attention(module, query, key, value, attention_mask, scaling, **kwargs):
-    """Attention of CB's packed batch, each request attending only to its own keys (see module doc).
+    """Attention of CB's packed batch, each request attending only to its own keys.
+
+    It has the signature of transformers' attention functions and does the same cache update,
+    then attends each request to its own keys (from ``cu_seq_lens_q`` / ``cu_seq_lens_k``): the
+    decoding requests (one new token each) are sorted by context length and cut into buckets, a
+    cut wherever it pads ``SPLIT_MIN_KEYS`` keys fewer; each bucket shares one SDPA over its keys
+    padded to its longest, ``[B_b, heads, 1, max_k_b]``; a request in prefill (a chunk of q new
+    tokens, k keys) gets its own causal SDPA where query t sees keys ``j <= k - q + t``, so a
+    prefill chunk never pads the decoders' queries. Cost: about sum(k) over the decoders plus
+    sum(q x k) over prefill chunks, instead of (sum q) x (sum k). Buckets, because one bucket
+    padded to the longest makes one long request cost like all of them long, and a bucket per
+    length adds small ops per layer that cost more than they save. The outputs go back into the
+    packed layout CB expects.
 
     ``query``: [1, heads, Nq, d] (packed new tokens); ``key``/``value``: [1, kv_heads, Nq, d]
     before the cache update. Returns ``([1, Nq, heads, d], None)`` like transformers' functions."""
@@ -124,7 +118,11 @@ def varlen_paged_attention(module, query, key, value, attention_mask, scaling, *
 
 
 def _routed(original):
-    """``original`` for standard forwards and special layers; varlen for CB's paged-cache calls."""
+    """``original`` for standard forwards and special layers; varlen for CB's paged-cache calls.
+
+    Standard forwards (the colocated trainer's, on its own model copy), layers of engines built
+    with ``attention="dense"`` (not marked) and layers with attention sinks or a sliding window
+    reach transformers' original function."""
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -138,9 +136,10 @@ def _routed(original):
 
 
 def install(model) -> None:
-    """Route ``model``'s CB attention (``sdpa`` and ``paged|eager``) through
-    ``varlen_paged_attention``: mark its attention layers, and (once per process) wrap the two
-    registry entries so marked layers with a paged cache take the varlen path."""
+    """Route ``model``'s CB attention (``sdpa``, the tiny policy's default, and ``paged|eager``)
+    through ``varlen_paged_attention``: mark its attention layers, and (once per process) wrap
+    the two entries of transformers' process-wide attention registry so marked layers with a
+    paged cache take the varlen path (``_routed``)."""
     global _installed
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):

