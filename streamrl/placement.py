@@ -180,12 +180,6 @@ def _plan_gpu(cfg: Config) -> PlacementPlan:
     if not p.nodes:
         raise ConfigError("placement.nodes is empty: describe the GPU cluster (gpu_type, nodes, gpus_per_node) "
                           "for placement.device=cuda")
-    if g.engine != "vllm":
-        raise ConfigError(f"placement.device=cuda needs generation.engine=vllm (got {g.engine!r}); the transformers "
-                          "backend is the CPU engine")
-    if g.vllm.get("device", "cpu") != "cuda":
-        raise ConfigError(f"placement.device=cuda but generation.vllm.device={g.vllm.get('device', 'cpu')!r}; "
-                          "set generation.vllm.device=cuda")
     nodes = tuple(Node(f"{grp.gpu_type}-{i}", grp.gpu_type, grp.gpus_per_node, grp.cpus_per_node)
                   for grp in p.nodes for i in range(grp.nodes))
     free = {n.name: list(range(n.gpus)) for n in nodes}

@@ -380,3 +380,34 @@ def test_staleness_beyond_one_step_is_stream_async_only():
         load_config(None, ["mode=stream-async", "trainer.max_staleness=0"])
     with pytest.raises(ConfigError, match=r"trainer.correction"):
         load_config(None, ["trainer.correction=vtrace"])
+
+
+def test_elastic_bounds_are_checked_at_load_time():
+    with pytest.raises(ConfigError, match=r"generation.min_instances=3 is more than the most instances, 2"):
+        load_config(None, ["generation.elastic=true", "generation.min_instances=3"])
+    with pytest.raises(ConfigError, match=r"min_instances=3 .* 2 \(generation.max_instances"):
+        load_config(None, ["generation.elastic=true", "generation.min_instances=3", "generation.max_instances=2"])
+    assert load_config(None, ["generation.min_instances=3"]).generation.min_instances == 3  # not elastic: unused
+    assert load_config(None, ["generation.elastic=true", "generation.min_instances=2"]).generation.elastic
+
+
+def test_gpu_generation_is_checked_at_load_time_not_only_by_the_plan():
+    gpu = Path(__file__).parents[1] / "configs" / "gpu-qwen2.5-1.5b-gsm8k.yaml"
+    with pytest.raises(ConfigError, match=r"placement.device=cuda needs generation.engine=vllm \(got 'transformers'\)"):
+        load_config(gpu, ["generation.engine=transformers"])
+    with pytest.raises(ConfigError, match=r"generation.vllm.device='cpu'; set generation.vllm.device=cuda"):
+        load_config(gpu, ["generation.vllm={device: cpu}"])
+
+
+def test_every_field_description_is_its_attribute_docstring():
+    """``use_attribute_docstrings``: a field's text is the docstring under it, never ``Field(description=)``."""
+    import ast
+
+    import streamrl.config as package
+    from streamrl.config import GenerationConfig
+
+    for path in Path(package.__file__).parent.glob("*.py"):
+        keywords = [k.arg for k in ast.walk(ast.parse(path.read_text())) if isinstance(k, ast.keyword)]
+        assert "description" not in keywords, path.name
+    assert GenerationConfig.model_fields["temperature"].description == "sampling temperature"
+    assert len(GenerationConfig.model_fields) == 36
