@@ -12,6 +12,14 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print tables")
     bsub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     p.set_defaults(group_parser=p)
+    _register_modes(bsub)
+    _register_scheduling(bsub)
+    _register_faults(bsub)
+    _register_soak(bsub)
+    _register_weights(bsub)
+
+
+def _register_modes(bsub) -> None:
     m = bsub.add_parser("modes", help="run colocated, disagg-batch, stream-sync and stream-async on one workload")
     m.add_argument("config", nargs="?", default="configs/bench.yaml")
     m.add_argument("overrides", nargs="*")
@@ -27,6 +35,8 @@ def register(sub) -> None:
     add_out_argument(m)
     m.set_defaults(handler="streamrl.commands.bench:run_modes")
 
+
+def _register_scheduling(bsub) -> None:
     s = bsub.add_parser("scheduling", help="generation makespan of one batch: random+FIFO vs skewness-aware "
                                            "(ranker / oracle lengths) vs rebalancing, on real instances")
     s.add_argument("config", nargs="?", default="configs/bench.yaml")
@@ -54,6 +64,8 @@ def register(sub) -> None:
     add_out_argument(s)
     s.set_defaults(handler="streamrl.commands.bench:run_scheduling")
 
+
+def _register_faults(bsub) -> None:
     f = bsub.add_parser("faults", help="a stream-async run with generation instances and the driver killed at "
                                        "random times, against the same run without: samples lost or trained "
                                        "twice, recovery time per fault, samples/s, held-out accuracy")
@@ -67,6 +79,8 @@ def register(sub) -> None:
     add_out_argument(f)
     f.set_defaults(handler="streamrl.commands.bench:run_faults")
 
+
+def _register_soak(bsub) -> None:
     k = bsub.add_parser("soak", help="one long stream-async run: resident memory and open files of every process "
                                      "over time and their slopes, Ray object-store bytes, files left in /dev/shm")
     k.add_argument("config", nargs="?", default="configs/tiny.yaml")
@@ -78,6 +92,7 @@ def register(sub) -> None:
     k.set_defaults(handler="streamrl.commands.bench:run_soak")
 
 
+def _register_weights(bsub) -> None:
     w = bsub.add_parser("weights", help="one weight update at a time across a shaped link between two sites: "
                                         "naive, tree (one copy per site), tree+delta; bytes from the link's counters")
     w.add_argument("--sites", default="A:1,B:2", help="sites to build (default A:1,B:2: the trainer in A, a "
@@ -269,7 +284,7 @@ def run_faults(args) -> int:
     overrides = fixed + list(args.overrides)
     cfg = load_cli_config(args.config, overrides, default="configs/tiny.yaml")
     from streamrl.lab.bench.faults import bench_faults
-    from streamrl.controller.driver import ensure_policy
+    from streamrl.controller.setup import ensure_policy
     from streamrl.metrics.report import print_table, write_json
 
     ensure_policy(cfg)  # built once here, not inside the timed runs
@@ -298,7 +313,7 @@ def run_soak(args) -> int:
     overrides = fixed + list(args.overrides)
     cfg = load_cli_config(args.config, overrides, default="configs/tiny.yaml")
     from streamrl.lab.bench.faults import bench_soak
-    from streamrl.controller.driver import ensure_policy
+    from streamrl.controller.setup import ensure_policy
     from streamrl.metrics.report import print_table, write_json
 
     ensure_policy(cfg)

@@ -55,6 +55,27 @@ def run_profile(args) -> int:
     prof["workload"] = {"config": config, "overrides": overrides, "algo": cfg.trainer.algo,
                         "prompts_per_iter": g.prompts_per_iter, "n_samples": g.n_samples,
                         "max_new_tokens": g.max_new_tokens, "step_tokens": cfg.trainer.step_tokens}
+    table = _ptl_table(prof)
+    print_table("streamrl profile: PTL(batch size)", table)
+    print(f"{prof['engine']} engine, {prof['model']} ({prof['params'] / 1e6:.2f} M params), {prof['threads']} thread(s), "
+          f"random prompts of {round(prof['prompt_len_mean'])} tokens (workload mean {prof['prompt_len_mean']:.1f}), "
+          f"latency = ({prof['new_tokens']}-token run - 1-token run) / {prof['new_tokens'] - 1}")
+    _print_trainer(prof)
+    _print_generation_costs(prof)
+    gen = prof["generation"]
+    lens = prof["sample_out_lens"]
+    print(f"workload iteration ({config}: {g.prompts_per_iter} prompts x {g.n_samples}, cap {g.max_new_tokens}): "
+          f"{gen['requests']} requests, mean output {sum(lens) / max(len(lens), 1):.1f} tokens, "
+          f"{gen['tokens_per_s']:.0f} output tokens/s end to end")
+    out = args.out or default_out(cfg)
+    write_json(out, prof)
+    print(f"wrote {out}")
+    return 0
+
+
+def _ptl_table(prof: dict) -> list[dict]:
+    """The PTL(batch size) table, with the colocated thread count's columns when measured; takes the
+    rows out of ``prof`` (the table shows them, the file keeps ``points``)."""
     rows = prof.pop("rows")
     colo = prof.get("colocated")
     table = []
@@ -67,11 +88,15 @@ def run_profile(args) -> int:
         table.append(row)
     if colo:
         colo.pop("rows")
+    return table
+
+
+def _print_trainer(prof: dict) -> None:
+    """The trainer's tokens/s (and at the colocated thread count), then its prepare calls against the fit."""
+    from streamrl.metrics.report import print_table
+
+    colo = prof.get("colocated")
     tr = prof["train"]
-    print_table("streamrl profile: PTL(batch size)", table)
-    print(f"{prof['engine']} engine, {prof['model']} ({prof['params'] / 1e6:.2f} M params), {prof['threads']} thread(s), "
-          f"random prompts of {round(prof['prompt_len_mean'])} tokens (workload mean {prof['prompt_len_mean']:.1f}), "
-          f"latency = ({prof['new_tokens']}-token run - 1-token run) / {prof['new_tokens'] - 1}")
     line = (f"trainer ({tr['algo']}, {prof['trainer_threads']} thread(s)): {prof['train_tokens_per_s']:.0f} tokens/s "
             f"(prepare {tr['prepare_s']:.2f}s + train_step {tr['train_step_s']:.2f}s for {tr['tokens']} tokens, "
             f"{tr['steps']} steps)")
@@ -85,6 +110,11 @@ def run_profile(args) -> int:
                 [{**r, "ms_per_sample": r["s"] * 1e3 / r["samples"],
                   "fit_s": r["passes"] * tr["prepare_s_per_pass"] + r["padded_tokens"] * tr["prepare_s_per_padded_token"]}
                  for r in tr["prepare_calls"]])
+
+
+def _print_generation_costs(prof: dict) -> None:
+    """Admission + prefill per request, the overlap slowdowns (when measured) and the context cost of decoding."""
+    colo = prof.get("colocated")
     pf = prof["prefill"]
     line = f"admission + prefill per request: {pf['s_per_request'] * 1e3:.2f} ms at {prof['threads']} thread(s)"
     if colo:
@@ -101,12 +131,3 @@ def run_profile(args) -> int:
     if colo:
         line += f", {colo['kv_ms_per_token'] * 1e3:.2f} us at {colo['threads']} threads"
     print(line)
-    gen = prof["generation"]
-    lens = prof["sample_out_lens"]
-    print(f"workload iteration ({config}: {g.prompts_per_iter} prompts x {g.n_samples}, cap {g.max_new_tokens}): "
-          f"{gen['requests']} requests, mean output {sum(lens) / max(len(lens), 1):.1f} tokens, "
-          f"{gen['tokens_per_s']:.0f} output tokens/s end to end")
-    out = args.out or default_out(cfg)
-    write_json(out, prof)
-    print(f"wrote {out}")
-    return 0

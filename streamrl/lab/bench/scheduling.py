@@ -175,21 +175,12 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     run) is the makespan with one free core per instance, which other processes cannot inflate."""
     from streamrl.controller.common import RequestBuilder
     from streamrl.tasks.factory import make_task
-    from streamrl.controller.driver import ensure_policy, init_ray
+    from streamrl.controller.setup import ensure_policy, init_ray
     from streamrl.models.tiny import load_policy
     from streamrl.scheduling.latency import latency_to_dict, load_profile
-    from streamrl.ranker.base import make_ranker
     from streamrl.sgs.service import StreamGenerationService
 
-    if instances < 2:
-        raise ValueError(f"instances={instances}: the scheduling bench needs >= 2 generation instances")
-    if prompts < 2 * instances:
-        raise ValueError(f"prompts={prompts}: need at least 2 per instance ({2 * instances})")
-    if batch < 1 or repeats < 1 or batches < 1:
-        raise ValueError(f"batch={batch}, repeats={repeats} and batches={batches} must be >= 1")
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        raise ValueError(f"unknown configurations {unknown}; known: {[c.name for c in CONFIGS]}")
+    _check_args(prompts, instances, batch, repeats, batches, configs)
     ranker_prompts = ranker_prompts or prompts
     cfg = cfg.model_copy(deep=True)
     g = cfg.generation
@@ -197,12 +188,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     ensure_policy(cfg, echo)
     task = make_task(cfg)
     pool = list(task.train_prompts())
-    if len(pool) < batches * prompts + ranker_prompts:
-        raise ValueError(f"the task has {len(pool)} training prompts; need batches x prompts + ranker_prompts = "
-                         f"{batches * prompts + ranker_prompts} (raise task.num_train)")
-    random.Random(cfg.run.seed).shuffle(pool)
-    batch_sets = [pool[b * prompts:(b + 1) * prompts] for b in range(batches)]
-    other_prompts = pool[batches * prompts:batches * prompts + ranker_prompts]
+    batch_sets, other_prompts = _split_pool(pool, cfg.run.seed, prompts, batches, ranker_prompts)
     all_batch_prompts = [p for ps in batch_sets for p in ps]
     _, tok = load_policy(cfg.policy.path)
     builder = RequestBuilder(tok, cfg)
@@ -221,15 +207,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
         list(sgs.generate(builder.build(other_prompts[: 2 * batch * instances], 0, tag="warmup-")))
         echo(f"scheduling: ranker data ({ranker_prompts} other prompts, greedy), then {batches} batch(es) of "
              f"{prompts} prompts")
-        sgs.configure("round-robin", "fifo", False)
-        other = _run(sgs, builder.build(other_prompts, 0, tag="rankdata-"), None)
-        other_len = other["prompt_lengths"]
-        text_of = {p.prompt_id: p.text for p in pool}
-        fit_len = {**other_len, **hist_len}  # the batch prompts' keys are disjoint from the others'
-        t_fit = time.perf_counter()
-        rk = make_ranker(ranker, policy_path=cfg.policy.path).fit([text_of[k] for k in fit_len], list(fit_len.values()), list(fit_len))
-        fit_s = time.perf_counter() - t_fit
-        fit_info = {"ranker": ranker, "fit_s": fit_s, "train_prompts": len(other_len), "fit_prompts": len(fit_len)}
+        rk, fit_info, other_len = _fit_ranker(sgs, builder, ranker, cfg.policy.path, pool, other_prompts, hist_len)
         from streamrl.metrics import progress
 
         progress.total(len(batch_sets))
@@ -251,6 +229,48 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     result["recorded_lengths"] = {"batch": batch_lengths, "ranker_data": other_len, "history": hist_len}
     result["ranker_scores"] = ranker_scores
     return result
+
+
+def _check_args(prompts: int, instances: int, batch: int, repeats: int, batches: int, configs) -> None:
+    """``bench_scheduling``'s arguments: a ValueError for any it cannot run with."""
+    if instances < 2:
+        raise ValueError(f"instances={instances}: the scheduling bench needs >= 2 generation instances")
+    if prompts < 2 * instances:
+        raise ValueError(f"prompts={prompts}: need at least 2 per instance ({2 * instances})")
+    if batch < 1 or repeats < 1 or batches < 1:
+        raise ValueError(f"batch={batch}, repeats={repeats} and batches={batches} must be >= 1")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; known: {[c.name for c in CONFIGS]}")
+
+
+def _split_pool(pool: list, seed: int, prompts: int, batches: int, ranker_prompts: int) -> tuple[list[list], list]:
+    """Shuffles the task's training prompts (``pool``, in place) with ``seed``; returns ``batches``
+    disjoint batches of ``prompts`` prompts and the ``ranker_prompts`` other prompts after them."""
+    if len(pool) < batches * prompts + ranker_prompts:
+        raise ValueError(f"the task has {len(pool)} training prompts; need batches x prompts + ranker_prompts = "
+                         f"{batches * prompts + ranker_prompts} (raise task.num_train)")
+    random.Random(seed).shuffle(pool)
+    batch_sets = [pool[b * prompts:(b + 1) * prompts] for b in range(batches)]
+    return batch_sets, pool[batches * prompts:batches * prompts + ranker_prompts]
+
+
+def _fit_ranker(sgs, builder, ranker: str, policy_path: str, pool, other_prompts, hist_len: dict[str, int]):
+    """Records this policy's greedy lengths on ``other_prompts`` (round-robin, FIFO) and fits the
+    ranker on them and on ``hist_len`` (an earlier checkpoint's lengths on the batch prompts);
+    returns the ranker, its fit info and the recorded lengths by prompt key."""
+    from streamrl.ranker.base import make_ranker
+
+    sgs.configure("round-robin", "fifo", False)
+    other = _run(sgs, builder.build(other_prompts, 0, tag="rankdata-"), None)
+    other_len = other["prompt_lengths"]
+    text_of = {p.prompt_id: p.text for p in pool}
+    fit_len = {**other_len, **hist_len}  # the batch prompts' keys are disjoint from the others'
+    t_fit = time.perf_counter()
+    rk = make_ranker(ranker, policy_path=policy_path).fit([text_of[k] for k in fit_len], list(fit_len.values()), list(fit_len))
+    fit_s = time.perf_counter() - t_fit
+    fit_info = {"ranker": ranker, "fit_s": fit_s, "train_prompts": len(other_len), "fit_prompts": len(fit_len)}
+    return rk, fit_info, other_len
 
 
 def _bench_batch(sgs, builder, batch_prompts, rk, fit_info, hist_len, history_policy, history, latency, configs,

