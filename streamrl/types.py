@@ -193,6 +193,11 @@ class Group:
     prompt: Prompt
     samples: tuple[Sample, ...]
 
+    @classmethod
+    def of(cls, samples) -> "Group":
+        """The group of ``samples`` (all of one prompt, in sample order)."""
+        return cls(samples[0].prompt, tuple(samples))
+
     @property
     def version(self) -> int:
         return min(s.version for s in self.samples)

@@ -27,7 +27,7 @@ def _usable(pol, data, *overrides):
     from transformers import PreTrainedTokenizerFast
 
     from streamrl.controller.common import RequestBuilder
-    from streamrl.controller.driver import usable_prompts
+    from streamrl.controller.prompts import usable_prompts
     from streamrl.tasks.factory import make_task
 
     cfg = load_config(None, [f"policy.path={pol}", "task.name=file", f"task.train_path={data}", "task.num_eval=2",

@@ -47,7 +47,7 @@ def _pid(sgs, name: str) -> int:
 
 
 def _busiest(sgs) -> str:
-    left = {n: sum(inst == n for inst, _ in sgs.assigned.values()) for n in sgs.instances}
+    left = sgs.ledger.counts(sgs.instances)
     return max(left, key=left.get)
 
 
@@ -187,7 +187,7 @@ def test_pipeline_trains_every_sample_once_through_instance_kills(ray_session, t
     (met by a poll, with the rest of that iteration unfinished). Two CPUs hold the trainer and
     one instance, so each replacement starts in the CPU its predecessor freed."""
     from streamrl.controller.common import PromptStream
-    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.models.tiny import load_policy
     from streamrl.tasks.factory import make_task
 
@@ -253,7 +253,7 @@ def test_the_elastic_controller_adds_and_retires_instances_between_iterations(ra
     import ray
 
     from streamrl.controller.common import PromptStream
-    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.models.tiny import load_policy
     from streamrl.tasks.factory import make_task
 

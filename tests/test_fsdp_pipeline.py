@@ -15,6 +15,7 @@ import pytest
 
 from streamrl.config import ConfigError, load_config
 from streamrl.controller.common import group_samples
+from streamrl.types import Group
 from streamrl.trainer.actor import IterationTrainer
 from tests.helpers import real_samples
 
@@ -63,11 +64,11 @@ def test_gpu_instances_ask_ray_for_their_planned_gpu_and_its_type_label():
 
     cfg = load_config(CONFIGS / "gpu-hetero-qwen2.5-1.5b-gsm8k.yaml")
     hetero = StreamGenerationService(cfg)
-    assert hetero._instance_options(0) == {"num_cpus": float(cfg.placement.cpus_per_gpu), "num_gpus": 1.0,
+    assert hetero.instance_options(0) == {"num_cpus": float(cfg.placement.cpus_per_gpu), "num_gpus": 1.0,
                                            "resources": {"H20": 1.0}}
-    assert hetero._instance_options(99) == hetero._instance_options(15)  # elastic: the last planned shape
+    assert hetero.instance_options(99) == hetero.instance_options(15)  # elastic: the last planned shape
     cpu = StreamGenerationService(load_config(None, ["generation.resources={H20: 1}"]))
-    assert cpu._instance_options(0) == {"num_cpus": 1, "resources": {"H20": 1}}  # CPU: unchanged
+    assert cpu.instance_options(0) == {"num_cpus": 1, "resources": {"H20": 1}}  # CPU: unchanged
 
 
 PAIRS = [("D 23,2,10:", "21 19 17 15 13 11 =11"), ("D 23,2,10:", "21 19 =19"), ("S 4819:", "4 12 13 22 =22"),
@@ -91,7 +92,7 @@ def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_sessi
     single = IterationTrainer(_cfg(tiny_policy_dir, *common), 1, 1)
     fsdp = IterationTrainer(_cfg(tiny_policy_dir, *common, *FSDP), 1, 1)
     try:
-        groups = group_samples(real_samples(single.trainer.model, single.trainer.tokenizer, PAIRS, REWARDS))
+        groups = [Group.of(g) for g in group_samples(real_samples(single.trainer.model, single.trainer.tokenizer, PAIRS, REWARDS))]
         start = single.parameters_vector()
         np.testing.assert_array_equal(fsdp.parameters_vector(), start)  # the ranks loaded the same policy
         res_single = single.add_groups(0, groups, expected=len(groups))
@@ -138,7 +139,7 @@ def _wait_for_cpus(ray, cpus: float, timeout_s: float = 20.0) -> float:
 def test_stream_async_with_an_fsdp_trainer_group(ray_session, tiny_policy_dir):
     from streamrl.controller.common import PromptStream
     from streamrl.tasks.factory import make_task
-    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.models.tiny import load_policy
 
     cfg = _cfg(tiny_policy_dir, "mode=stream-async", "run.iterations=2", "trainer.step_tokens=60",

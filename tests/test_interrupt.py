@@ -1,6 +1,9 @@
 """Ctrl-C on `streamrl train` (a real SIGINT to the CLI process) in stream-async: the run stops
 with a checkpoint of the last finished iteration, and the resumed run trains each remaining
-iteration once, so the logs hold every iteration exactly once."""
+iteration once, so the logs hold every iteration exactly once.
+
+The CLI runs under a wrapper that holds the run right after it logs iteration 3, until the
+signal comes: the interrupt lands inside the loop, at a point the run cannot have passed."""
 
 from __future__ import annotations
 
@@ -18,8 +21,26 @@ pytestmark = pytest.mark.slow  # two CLI runs on Ray
 ROOT = Path(__file__).parents[1]
 
 
-def _cli(policy_dir, out, *extra) -> list[str]:
-    return [sys.executable, "-m", "streamrl.cli", "train", f"policy.path={policy_dir}", f"run.out_dir={out}",
+HOLD_AFTER_STEP_3 = """
+import sys, time
+from streamrl.metrics import logger
+
+log = logger.MetricsLogger.log
+
+def held(self, step, metrics, echo=True):
+    log(self, step, metrics, echo)
+    if step == 3 and "reward/mean" in metrics:
+        print("held after step 3", flush=True)
+        time.sleep(600)  # the test's SIGINT ends this
+
+logger.MetricsLogger.log = held
+from streamrl.cli import main
+sys.exit(main())
+"""
+
+
+def _cli(policy_dir, out, *extra, entry=("-m", "streamrl.cli")) -> list[str]:
+    return [sys.executable, *entry, "train", f"policy.path={policy_dir}", f"run.out_dir={out}",
             "mode=stream-async", "run.iterations=6", "generation.prompts_per_iter=4", "generation.n_samples=2",
             "generation.max_new_tokens=24", "task.num_eval=4", "run.eval_samples=1", "cluster.num_cpus=2",
             "logging.samples=true", "logging.backends=[console,jsonl]", *extra]
@@ -28,17 +49,22 @@ def _cli(policy_dir, out, *extra) -> list[str]:
 def test_sigint_checkpoints_and_the_resumed_run_trains_each_iteration_once(tiny_policy_dir, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.Popen(_cli(tiny_policy_dir, out), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:  # interrupt once iteration 2 (step 3) is logged
-            if line.startswith("iter") and int(line.split()[1]) == 3:
-                proc.send_signal(signal.SIGINT)
-                break
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    wrapper = tmp_path / "held_cli.py"
+    wrapper.write_text(HOLD_AFTER_STEP_3)
+    err_file = tmp_path / "stderr.txt"  # a file, not a pipe: a full stderr pipe could stall the run
+    with open(err_file, "w") as err_out:
+        proc = subprocess.Popen(_cli(tiny_policy_dir, out, entry=(str(wrapper),)), cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=err_out, text=True)
+        try:
+            for line in proc.stdout:  # interrupt while the run is held after iteration 2 (step 3)
+                if line.startswith("held after step 3"):
+                    proc.send_signal(signal.SIGINT)
+                    break
+            proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    err = err_file.read_text()
     assert proc.returncode == 130, err[-2000:]
     message = [line for line in err.splitlines() if line.startswith("streamrl: interrupted:")]
     assert len(message) == 1 and "saved in" in message[0], err[-2000:]

@@ -60,7 +60,7 @@ def test_a_policy_built_for_another_synthetic_task_version_is_stale(tmp_path):
 
 
 def test_reward_trend_summarises_a_noisy_rising_curve():
-    from streamrl.controller.driver import reward_trend
+    from streamrl.controller.stats import reward_trend
 
     t = reward_trend([0.2, 0.5, 0.3, 0.4, 0.6, 0.5, 0.7, 0.5, 0.8])
     assert t["first_third_mean"] == pytest.approx(1.0 / 3) and t["last_third_mean"] == pytest.approx(2.0 / 3)

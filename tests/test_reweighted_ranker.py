@@ -376,7 +376,7 @@ def test_the_sgs_feeds_the_ranker_responses_and_policies_and_dispatches_on_the_r
         assert sgs.ranker.wait(timeout=120)
         second = builder.build(prompts, iteration=1, tag="b")
         sgs.submit(second)
-        pred = {r.prompt_id: sgs.predicted[r.request_id] for r in second}
+        pred = {r.prompt_id: sgs.ledger.predicted(r.request_id) for r in second}
         metrics = sgs.ranker.metrics()
     finally:
         sgs.shutdown()

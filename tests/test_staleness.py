@@ -26,7 +26,7 @@ def _run(cfg, iterations: int, straggle_seed: int | None = None):
     (randomised generation delays). Returns (per step: samples, metrics), the trained ids and
     the pipeline's look-ahead."""
     from streamrl.controller.common import PromptStream
-    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.models.tiny import load_policy
     from streamrl.tasks.factory import make_task
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from streamrl.config import load_config
 from streamrl.controller.common import group_samples
+from streamrl.types import Group
 from streamrl.trainer.actor import IterationTrainer, StalenessError
 from tests.helpers import AllOnFirst, assert_moved_running_and_joined, real_samples
 
@@ -38,8 +39,8 @@ def test_stream_sync_and_batch_sync_give_the_same_parameters(tiny_policy_dir):
     cfg = _cfg(tiny_policy_dir, "trainer.step_tokens=30", "trainer.lr=1e-2")
     batch, stream = IterationTrainer(cfg, 1, 0), IterationTrainer(cfg, 1, 0)
     groups = group_samples(real_samples(batch.trainer.model, batch.trainer.tokenizer, PAIRS, REWARDS))
-    res_batch = batch.add_groups(0, groups, expected=len(groups))          # disagg-batch: all at once
-    results = [stream.add_groups(0, [g], expected=len(groups)) for g in groups]  # stream-sync: one by one
+    res_batch = batch.add_groups(0, [Group.of(g) for g in groups], expected=len(groups))          # disagg-batch: all at once
+    results = [stream.add_groups(0, [Group.of(g)], expected=len(groups)) for g in groups]  # stream-sync: one by one
     assert results[:-1] == [None] * (len(groups) - 1) and results[-1].version == res_batch.version == 1
     assert res_batch.metrics["train/steps_in_iter"] > 1  # several dynamic batches, not one
     assert np.allclose(_params(batch), _params(stream), atol=1e-6)
@@ -64,9 +65,9 @@ def test_trainer_never_accepts_a_sample_beyond_the_staleness_bound(tiny_policy_d
         group = [_sample_with_version(s, v) for s in base]
         if trainer_v - v > bound:
             with pytest.raises(StalenessError, match=f"bound {bound}"):
-                tr.add_groups(i, [group], expected=2)
+                tr.add_groups(i, [Group.of(group)], expected=2)
         else:
-            assert tr.add_groups(i, [group], expected=2) is None  # accepted, waits for the 2nd group
+            assert tr.add_groups(i, [Group.of(group)], expected=2) is None  # accepted, waits for the 2nd group
     del cfg
 
 
@@ -104,7 +105,7 @@ def test_every_request_is_returned_exactly_once_when_an_instance_is_removed(ray_
         for c in sgs.generate(requests):
             seen.append(c.request_id)
             if not removed:
-                left = {n: sum(inst == n for inst, _ in sgs.assigned.values()) for n in sgs.instances}
+                left = sgs.ledger.counts(sgs.instances)
                 victim = max(left, key=left.get)  # the instance with the most unfinished requests
                 removed = sgs.remove_instance(victim) + 1  # re-submits the victim's unfinished requests
     finally:
@@ -115,7 +116,7 @@ def test_every_request_is_returned_exactly_once_when_an_instance_is_removed(ray_
 
 
 def _run(cfg):
-    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.controller.common import PromptStream
     from streamrl.tasks.factory import make_task
     from streamrl.models.tiny import load_policy
@@ -204,7 +205,7 @@ def test_rebalancing_moves_queued_work_to_a_new_instance_and_loses_and_duplicate
     assert sgs.counters["sgs/rebalanced"] > 0 and sgs.counters["sgs/duplicates"] == 0
     moved_and_run = {c.request_id for c in done if c.instance == "gen-1"}
     assert moved_and_run and moved_and_run <= set(held_before)  # only not-yet-started requests moved
-    assert pending == [0, 0] and not sgs.assigned
+    assert pending == [0, 0] and not sgs.pending()
 
 
 def _two_instances_eos_off(policy_dir, n_prompts, seed, tag, *overrides):
@@ -232,17 +233,17 @@ def test_rebalancing_moves_running_requests_with_their_prefix_and_joins_them(ray
     sgs.dispatch = AllOnFirst()
     try:
         sgs.submit(requests)
-        assert {name for name, _ in sgs.assigned.values()} == {"gen-0"}
+        assert set(sgs.ledger.where().values()) == {"gen-0"}
         done = _drain(sgs, [r.request_id for r in requests])
         pending = ray_session.get([a.num_pending.remote() for a in sgs.instances.values()])
     finally:
         sgs.shutdown()
     assert_moved_running_and_joined(sgs, requests, done, 160)
-    assert pending == [0, 0] and not sgs.assigned and not sgs._prefix
+    assert pending == [0, 0] and not sgs.pending() and not sgs.ledger.moved()
 
 
 class _CallLog:
-    """Stands in for an instance's actor handle in ``sgs.instances``: records the name of each
+    """Stands in for an instance's actor handle (``sgs.pool[name].actor``): records the name of each
     method the service calls on the instance, and calls the real actor."""
 
     def __init__(self, actor, calls: list[str]):
@@ -256,7 +257,7 @@ class _CallLog:
 def _every_instance_full(sgs, batch: int) -> bool:
     from collections import Counter
 
-    unfinished = Counter(name for name, _ in sgs.assigned.values())
+    unfinished = Counter(sgs.ledger.where().values())
     return all(unfinished[name] >= batch for name in sgs.instances)
 
 
@@ -267,7 +268,8 @@ def test_rebalancing_reads_no_progress_while_every_instance_has_a_full_batch(ray
     sgs, requests = _two_instances_eos_off(tiny_policy_dir, 8, 3, "fp", "generation.max_requests_per_batch=2",
                                            "generation.max_new_tokens=400", "generation.dispatch=round-robin")
     actors, calls = dict(sgs.instances), []
-    sgs.instances.update({name: _CallLog(actor, calls) for name, actor in actors.items()})
+    for name, actor in actors.items():
+        sgs.pool[name].actor = _CallLog(actor, calls)
     wanted, done, full_polls = {r.request_id for r in requests}, [], 0
     try:
         sgs.submit(requests)  # 4 per instance, 2 running each: every instance is full
@@ -283,7 +285,8 @@ def test_rebalancing_reads_no_progress_while_every_instance_has_a_full_batch(ray
                 if _every_instance_full(sgs, 2):  # still full after it: no check ran, nothing was asked
                     assert set(calls) <= {"poll"} and sgs.counters["sgs/rebalance_rounds"] == rounds, calls
     finally:
-        sgs.instances.update(actors)
+        for name, actor in actors.items():
+            sgs.pool[name].actor = actor
         sgs.shutdown()
     assert full_polls >= 1  # the first poll starts with every instance full
     assert sorted(c.request_id for c in done) == sorted(r.request_id for r in requests)
@@ -309,9 +312,9 @@ def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_sess
         assert sgs.ranker.wait(timeout=60)  # the refresh ran in the background after the batch
         second = _requests_for(tiny_policy_dir, cfg, prompts, "b")
         sgs.submit(second)
-        pred = {r.request_id: sgs.predicted[r.request_id] for r in second}
-        where = {rid: inst for rid, (inst, _) in sgs.assigned.items()}
-        prio = {rid: req.priority for rid, (_, req) in sgs.assigned.items()}
+        pred = {r.request_id: sgs.ledger.predicted(r.request_id) for r in second}
+        where = sgs.ledger.where()
+        prio = {rid: sgs.ledger.record(rid).sent.priority for rid in where}
         _drain(sgs, list(pred))
     finally:
         sgs.shutdown()
@@ -344,7 +347,7 @@ def test_stream_async_checkpoint_without_drain_holds_exactly_the_iterations_befo
     import torch
 
     from streamrl.controller.common import PromptStream
-    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.models.tiny import load_policy
     from streamrl.tasks.factory import make_task
 

@@ -25,6 +25,6 @@ def run(args) -> int:
     import torch
 
     torch.set_num_threads(cfg.cluster.num_cpus)
-    from streamrl.controller.driver import ensure_policy
+    from streamrl.controller.setup import ensure_policy
     ensure_policy(cfg)  # shows its own progress bar
     return 0

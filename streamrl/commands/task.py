@@ -24,7 +24,7 @@ def run(args) -> int:
 
     from streamrl.tasks.stats import CRITERIA, check_criteria, length_figures
     from streamrl.tasks.factory import make_task
-    from streamrl.controller.driver import ensure_policy
+    from streamrl.controller.setup import ensure_policy
     from streamrl.metrics.report import print_table, write_json
 
     cfg = load_cli_config(args.config, args.overrides)
@@ -36,7 +36,7 @@ def run(args) -> int:
     with progress.bar("task stats: samples", total=len(prompts) * args.samples):
         completions, tokenizer = sample_policy(cfg, prompts, args.samples, threads=cfg.cluster.num_cpus)
     by_id = {p.prompt_id: p for p in prompts}
-    from streamrl.controller.driver import user_reward
+    from streamrl.controller.setup import user_reward
     from streamrl.tasks.rewards import RewardRunner
 
     correct, records, seen = [], [], {}

@@ -1,21 +1,9 @@
 """Colocated mode: the baseline users run today (verl-style time sharing).
 
-One Ray worker (the worker group, of size one on a laptop) holds both the generation engine and
-the trainer and alternates between them; nothing overlaps::
-
-    driver                              ColocatedWorker (Ray actor, all CPUs)
-    ------                              -------------------------------------
-    prompts -> requests ---------------> generate(requests): engine runs the whole batch
-                                          (continuous batching: a finished request frees
-                                          its slot at once; no static batch waits for its
-                                          longest member), returns completions
-    score (verifiable reward) <---------
-    samples ---------------------------> train(samples): prepare -> advantages -> optimizer
-                                          steps -> install weights W_{i+1} in the engine
-    metrics <---------------------------
-
-The driver blocks on each call: generation and training never run at the same time, which is
-exactly the cost the disaggregated modes remove.
+One Ray worker (``ColocatedWorker``, all CPUs) holds both the generation engine and the trainer
+and alternates: ``generate(requests)`` runs the whole batch (continuous batching), the driver
+scores it, ``train(samples)`` steps and installs W_{i+1} in the engine. The driver blocks on each
+call, so generation and training never overlap: the cost the disaggregated modes remove.
 """
 
 from __future__ import annotations
@@ -26,6 +14,9 @@ import time
 import ray
 
 from streamrl.config import Config
+from streamrl.controller.pipeline import Pipeline
+from streamrl.metrics.timeline import Timeline
+from streamrl.placement import PlacementPlan
 from streamrl.sgs.engines.build import engine_kwargs, run_to_completion
 from streamrl.types import Completion, GenRequest, Sample
 
@@ -93,3 +84,61 @@ class ColocatedWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class ColocatedPipeline(Pipeline):
+    """Generation and training time-share one Ray worker (``ColocatedWorker``)."""
+
+    def __init__(self, cfg: Config, ctx, plan: PlacementPlan) -> None:
+        self.cfg, self.ctx, self.plan = cfg, ctx, plan
+        threads = cfg.cluster.num_cpus
+        where = {}
+        if cfg.cluster.address:  # it writes run.out_dir (checkpoints): keep it on the driver's node
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                           soft=False)}
+        self.worker = ColocatedWorker.options(num_cpus=threads, **where, **cfg.cluster.actor_options()).remote(
+            cfg, threads)
+        self.timeline = Timeline()
+
+    def generate(self, requests: list[GenRequest]) -> list[Completion]:
+        completions, _ = self._tget(self.worker.generate.remote(requests), "generate")
+        return completions
+
+    def step(self, iteration: int, prompts, upcoming=None):  # no ranker here: ``upcoming`` is unused
+        t0 = time.time()
+        requests = self.ctx.builder.build(prompts, iteration)
+        completions, gen_s = self._tget(self.worker.generate.remote(requests), f"generate (iteration {iteration})")
+        t_gen_end = time.time()
+        samples = [self.ctx.scorer.score(c, iteration) for c in completions]
+        t_train = time.time()
+        metrics = self._tget(self.worker.train.remote(samples), f"train (iteration {iteration})")
+        t_end = time.time()
+        self.timeline.add("colocated-0", "generate", iteration, iteration, t0, t_gen_end)
+        self.timeline.add("colocated-0", "train", iteration, iteration, t_train, t_end - metrics["time/weight_sync_s"])
+        self.timeline.add("colocated-0", "weight_load", iteration, iteration + 1, t_end - metrics["time/weight_sync_s"], t_end)
+        gen_tokens = sum(len(c.output_ids) for c in completions)
+        metrics.update({"time/gen_s": gen_s, "gen/tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+                        "time/step_s": time.time() - t0})
+        return samples, metrics
+
+    def finish(self) -> None:
+        """Nothing is ever pending: every call blocks."""
+
+    def save(self, path: str, extra: dict, keep_as: str | None = None) -> None:
+        self._tget(self.worker.save.remote(path, extra, keep_as), "save")
+
+    def lineage(self) -> list[str]:
+        return self._tget(self.worker.get_lineage.remote(), "lineage")
+
+    def can_checkpoint_at(self, iteration: int) -> bool:
+        # The worker runs one call at a time: this answers after an interrupted train call ends.
+        return self._tget(self.worker.version.remote(), "version") == iteration + 1
+
+    def load(self, path: str) -> dict:
+        return self._tget(self.worker.load.remote(path), "load")
+
+    def shutdown(self) -> None:
+        ray.get(self.worker.shutdown.remote())
+        ray.kill(self.worker)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from streamrl.config import Config
-from streamrl.types import Completion, GenRequest, Prompt, Sample
+from streamrl.types import Completion, GenRequest, Group, Prompt, Sample
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +134,9 @@ def group_samples(samples: list[Sample]) -> list[list[Sample]]:
     for s in samples:
         groups.setdefault(s.prompt.prompt_id, []).append(s)
     return [sorted(g, key=lambda s: s.sample_idx) for g in groups.values()]
+
+
+def units_of(samples: list[Sample], algo: str) -> list[Group]:
+    """What the trainer receives: a prompt's whole group for GRPO (advantages need it), one
+    sample at a time for PPO."""
+    return [Group.of(g) for g in (group_samples(samples) if algo == "grpo" else [[s] for s in samples])]

@@ -143,6 +143,53 @@ def plan_moves(
         raise ValueError(f"rebalance threshold={threshold!r}: must be in [0, 1) (a fraction of the largest load)")
     if max_moves < 0:
         raise ValueError(f"max_moves={max_moves!r} must be >= 0")
+    pred, loads, queued, left = _checked_state(unfinished, movable, room)
+    moves: list[Move] = []
+    if len(loads) < 2:
+        return moves
+    while len(moves) < max_moves:
+        times = {name: load.time(latency, max_batch_size) for name, load in loads.items()}
+        src = max(times, key=lambda k: (times[k], k))
+        takers = [k for k in times if k != src and (left is None or left[k] > 0)]
+        if not takers:
+            break
+        dst = min(takers, key=lambda k: (times[k], k))
+        if times[src] - times[dst] <= threshold * times[src] or not queued.get(src):
+            break
+        best = _best_move(queued[src], pred, loads[src], loads[dst], latency, max_batch_size)
+        if best is None or best[0] >= times[src] - 1e-12:
+            break  # no single move shortens the makespan
+        rid = best[1]
+        queued[src].remove(rid)
+        queued.setdefault(dst, []).append(rid)
+        loads[src].remove(pred[rid])
+        loads[dst].add(pred[rid])
+        if left is not None:
+            left[dst] -= 1
+        moves.append(Move(rid, src, dst, pred[rid]))
+    return moves
+
+
+def _best_move(candidates: Sequence[str], pred: Mapping[str, float], src: "_Load", dst: "_Load",
+               latency: LatencyModel, max_batch_size: int | None) -> tuple[float, str] | None:
+    """``(makespan of the pair after the move, request)`` of the candidate that lowers it most;
+    candidates of equal length are tried once."""
+    best: tuple[float, str] | None = None
+    tried: set[float] = set()
+    for rid in candidates:
+        x = pred[rid]
+        if x in tried:
+            continue
+        tried.add(x)
+        after = max(src.time(latency, max_batch_size, remove=x), dst.time(latency, max_batch_size, add=x))
+        if best is None or after < best[0]:
+            best = (after, rid)
+    return best
+
+
+def _checked_state(unfinished, movable, room):
+    """Validate ``plan_moves``' inputs; returns its working state: predicted length per request,
+    load per instance, movable ids per instance, and room left per instance (None: no limit)."""
     unknown = sorted(set(movable) - set(unfinished))
     if unknown:
         raise ValueError(f"movable names instances {unknown} that are not in unfinished {sorted(unfinished)}")
@@ -164,40 +211,7 @@ def plan_moves(
     left = None if room is None else {name: int(room.get(name, 0)) for name in loads}
     if left is not None and any(v < 0 for v in left.values()):
         raise ValueError(f"room={dict(room)}: counts must be >= 0")
-    moves: list[Move] = []
-    if len(loads) < 2:
-        return moves
-    while len(moves) < max_moves:
-        times = {name: load.time(latency, max_batch_size) for name, load in loads.items()}
-        src = max(times, key=lambda k: (times[k], k))
-        takers = [k for k in times if k != src and (left is None or left[k] > 0)]
-        if not takers:
-            break
-        dst = min(takers, key=lambda k: (times[k], k))
-        if times[src] - times[dst] <= threshold * times[src] or not queued.get(src):
-            break
-        best: tuple[float, str] | None = None
-        tried: set[float] = set()
-        for rid in queued[src]:
-            x = pred[rid]
-            if x in tried:
-                continue
-            tried.add(x)
-            after = max(loads[src].time(latency, max_batch_size, remove=x), loads[dst].time(latency, max_batch_size, add=x))
-            if best is None or after < best[0]:
-                best = (after, rid)
-        if best is None or best[0] >= times[src] - 1e-12:
-            break  # no single move shortens the makespan
-        rid = best[1]
-        queued[src].remove(rid)
-        queued.setdefault(dst, []).append(rid)
-        loads[src].remove(pred[rid])
-        loads[dst].add(pred[rid])
-        if left is not None:
-            left[dst] -= 1
-        moves.append(Move(rid, src, dst, pred[rid]))
-    return moves
-
+    return pred, loads, queued, left
 
 def has_free_slots(counts: Mapping[str, int], max_batch_size: int) -> bool:
     """Whether a rebalancing check can act at all: two or more instances, one of them with fewer

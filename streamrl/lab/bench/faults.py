@@ -216,7 +216,8 @@ def scheduled_ids(cfg: Config) -> dict[tuple[int, str], int]:
     """(iteration, prompt id) -> samples the schedule asks for, computed as the driver does:
     the task's usable prompts in ``PromptStream`` order."""
     from streamrl.controller.common import PromptStream
-    from streamrl.controller.driver import RunContext, usable_prompts
+    from streamrl.controller.setup import RunContext
+    from streamrl.controller.prompts import usable_prompts
     from streamrl.models.tiny import load_policy
     from streamrl.tasks.factory import make_task
 
@@ -310,7 +311,7 @@ def _sample(pid: int) -> list[dict[str, Any]]:
     """RSS (MB) and open files of ``pid`` and every process under it."""
     import math
 
-    from streamrl.controller.driver import rss_mb
+    from streamrl.controller.stats import rss_mb
 
     rows = []
     for p in [pid] + descendants(pid):

@@ -76,7 +76,7 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str
     timed wall time; busy fractions come from the stage timeline over the same window."""
     from streamrl.controller.common import PromptStream
     from streamrl.tasks.factory import make_task
-    from streamrl.controller.driver import RunContext, make_pipeline
+    from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.metrics.timeline import gantt
     from streamrl.models.tiny import load_policy
 
@@ -197,7 +197,7 @@ def bench_modes(cfg: Config, warmup: int, iterations: int, out_dir: Path, modes=
     disaggregated resources (training = optimizer steps + per-sample reference/critic work),
     each *measured* in disagg-batch mode (there the stages never overlap, so its generation and
     training times are the stages alone)."""
-    from streamrl.controller.driver import ensure_policy, init_ray
+    from streamrl.controller.setup import ensure_policy, init_ray
 
     cfgs = {mode: mode_config(cfg, mode) for mode in modes}  # bad names fail before anything runs
     threads_list = sorted(set(colocated_threads or (1, cfg.cluster.num_cpus)))

@@ -164,7 +164,7 @@ def voluntary_switches() -> int:
 
 def live_units(samples: list, algo: str) -> list[list]:
     """The trainer's per-sample work units, as the live pipelines cut them
-    (``controller/pipelines.py`` and ``controller/colocated.py``): a prompt's group for GRPO
+    (``controller/common.py``, ``units_of``): a prompt's group for GRPO
     (advantages need the whole group), one sample for PPO. A trainer call carries whole units."""
     from streamrl.controller.common import group_samples
 

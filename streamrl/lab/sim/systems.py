@@ -181,7 +181,7 @@ def slots(dep: Deployment, spec: SystemSpec, batch: Batch) -> int:
 
 def admission_times(batches: list[Batch], spec: SystemSpec, dep: Deployment, history: np.ndarray, seed: int = 0,
                     gate: list[float] | None = None) -> tuple[list[float], GenResult]:
-    """Partial rollout's admission of each batch (``controller/pipelines.py``, ``_stream``):
+    """Partial rollout's admission of each batch (``controller/strategies.py``, ``LookAhead``):
     batch j joins once fewer requests of the batches before it are unfinished than the instances
     have slots (``slots``), not before batch j-1, not before iteration j-k's step began (the
     pipeline looks k iterations ahead), and not before ``gate[j]`` (the staleness bound's
@@ -245,7 +245,7 @@ def stream_train(finish: np.ndarray, seq_s: np.ndarray, free_at: float, min_batc
 
 def call_stream_train(finish: np.ndarray, seq_lens: np.ndarray, seq_s: np.ndarray, prepare_s, free_at: float,
                       step_tokens: float) -> tuple[float, float]:
-    """The live trainer actor fed by the stream controller (``controller/pipelines.py``,
+    """The live trainer actor fed by the stream controller (``controller/strategies.py``,
     ``trainer/actor.py``): ``(end of its last call, its busy seconds)``.
 
     Outbox rule: each finished sample is sent at once in a call of its own if the trainer is free
@@ -423,7 +423,7 @@ def run_partial(spec: SystemSpec, dep: Deployment, workload: Workload, iteration
                 length_scales: list[float] | None = None, warmup: int = 1,
                 min_tokens_per_gpu: float | None = None, max_rounds: int = 200) -> RunResult:
     """Stream-async with partial rollout and staleness bound k, as the live pipeline runs it
-    (``controller/pipelines.py``, ``_stream``): iteration i's requests are admitted during
+    (``controller/strategies.py``, ``LookAhead``): iteration i's requests are admitted during
     iteration i-1's generation, once fewer of i-1's requests are unfinished than the instances
     have batch slots and version i - k is installed (new versions are installed mid-generation);
     they queue behind i-1's and join the running batches as slots free. The trainer takes
