@@ -50,7 +50,7 @@ $(VLLM_STAMP): pyproject.toml
 
 # The engine conformance suite on vLLM, then a short stream-async run with vLLM instances.
 test-vllm: install-vllm
-	STREAMRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_engine_conformance.py tests/test_vllm_train.py
+	STREAMRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/sgs/test_engine_conformance.py tests/sgs/test_vllm_train.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .cache

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import make_qwen2_bpe_checkpoint
+from tests.helpers import make_qwen2_bpe_checkpoint
 
 pytestmark = pytest.mark.slow  # a whole training run (its own local Ray cluster)
 

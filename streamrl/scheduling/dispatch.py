@@ -135,7 +135,7 @@ def skewness_split(
     (the default) minimises the *max*. The two pools run at the same time on disjoint instances,
     so the generation stage ends when the slower pool ends: its makespan is the max. Minimising
     the sum can pick a split whose slower pool is slower than necessary just to shorten the
-    faster pool, whose instances then sit idle anyway (``tests/test_scheduling.py`` has a
+    faster pool, whose instances then sit idle anyway (``tests/scheduling/test_scheduling.py`` has a
     hand-worked case where the two criteria disagree). ``combine="sum"`` reproduces the paper's
     formula."""
     _check(num_instances)

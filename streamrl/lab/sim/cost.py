@@ -9,7 +9,7 @@ times efficiency constants; ``ProfiledDecode`` and ``ProfiledTrain`` read a meas
 
 Invariant: only PAPER.md's PTL table and scaling facts (and measured CPU profiles) calibrate the
 constants; each one's comment says whether it is fitted or assumed, docs/simulator.md
-("Constants", "Training") gives sources and sensitivity, and ``tests/test_sim.py`` checks them.
+("Constants", "Training") gives sources and sensitivity, and ``tests/lab/test_sim.py`` checks them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ generation on one model replica: the innermost layer of the Stream Generation Se
 ``GenerationEngine`` states the contract every backend keeps (non-blocking ``add_request``,
 admission in priority order, completions as they finish, exact version stamps, each request
 returned at most once, failures raised as ``EngineError``); ``QueueBookkeeping`` is the request
-bookkeeping both backends share; ``tests/test_engine_conformance.py`` checks every backend.
+bookkeeping both backends share; ``tests/sgs/test_engine_conformance.py`` checks every backend.
 
 Backends register in ``ENGINES`` by name; ``make_engine`` imports a backend only when asked for,
 so importing this module pulls in no model library.

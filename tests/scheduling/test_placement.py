@@ -12,7 +12,7 @@ from streamrl.commands.train import dry_run
 from streamrl.placement import plan_placement
 from streamrl.tasks.base import default_data_dir
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 GPU_PRESETS = sorted(CONFIGS.glob("gpu-*.yaml"))
 
 

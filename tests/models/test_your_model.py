@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import make_qwen2_bpe_checkpoint
+from tests.helpers import make_qwen2_bpe_checkpoint
 
 pytestmark = pytest.mark.slow  # Ray, engines and the trainer: a whole training run
 

@@ -1,6 +1,6 @@
 """Transformers-backend specifics. The engine contract itself (streaming order, LPT admission,
 log-prob parity, weight updates, versions, cancellation, bad input) is checked for every backend
-by ``tests/test_engine_conformance.py``; this file keeps what only this backend has: its
+by ``tests/sgs/test_engine_conformance.py``; this file keeps what only this backend has: its
 continuous-batching loop's internal state, and the engine factory.
 """
 

@@ -17,7 +17,7 @@ from streamrl.config import load_config
 
 pytestmark = pytest.mark.slow  # eleven CLI runs on Ray
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def test_a_run_killed_and_resumed_ten_times_trains_the_schedule_exactly_once(tiny_policy_dir, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # two CLI runs on Ray
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 HOLD_AFTER_STEP_3 = """

@@ -19,7 +19,7 @@ from streamrl.types import Group
 from streamrl.trainer.actor import IterationTrainer
 from tests.helpers import real_samples
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 FSDP = ["trainer.backend=fsdp", "trainer.fsdp_ranks=2", "trainer.fsdp_rank_cpus=0.5"]
 
 

@@ -103,7 +103,7 @@ def test_token_versions_survive_a_weight_update_and_a_migration_with_prefix(ray_
     """Weights change while requests run (partial rollout), then an instance is retired and its
     running requests continue elsewhere from their prefix: each joined response still says, per
     token, which version sampled it."""
-    from tests.test_faults import _busiest, _handle, _requests
+    from tests.controller.test_faults import _busiest, _handle, _requests
 
     from streamrl.sgs.service import StreamGenerationService
 

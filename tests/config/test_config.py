@@ -7,7 +7,7 @@ import pytest
 
 from streamrl.config import ConfigError, load_config
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -211,7 +211,7 @@ def test_registry_checks_import_no_heavy_module():
 
 # ----------------------------------------------------------------------------- relative paths
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_config_paths_resolve_against_the_repository_from_any_cwd(tmp_path, monkeypatch):
@@ -392,7 +392,7 @@ def test_elastic_bounds_are_checked_at_load_time():
 
 
 def test_gpu_generation_is_checked_at_load_time_not_only_by_the_plan():
-    gpu = Path(__file__).parents[1] / "configs" / "gpu-qwen2.5-1.5b-gsm8k.yaml"
+    gpu = Path(__file__).parents[2] / "configs" / "gpu-qwen2.5-1.5b-gsm8k.yaml"
     with pytest.raises(ConfigError, match=r"placement.device=cuda needs generation.engine=vllm \(got 'transformers'\)"):
         load_config(gpu, ["generation.engine=transformers"])
     with pytest.raises(ConfigError, match=r"generation.vllm.device='cpu'; set generation.vllm.device=cuda"):

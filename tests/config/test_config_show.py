@@ -11,7 +11,7 @@ import pytest
 from streamrl.cli import main
 from streamrl.config import Config, _model_in, load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import make_qwen2_bpe_checkpoint
+from tests.helpers import make_qwen2_bpe_checkpoint
 from streamrl.config import TaskConfig
 from streamrl.tasks.base import default_data_dir
 from streamrl.tasks.math import MathTask
