@@ -1,30 +1,13 @@
 """Placement: which node and GPUs each trainer rank and generation instance gets.
 
 ``plan_placement(cfg)`` is a pure function of the config (no Ray, no torch): it checks that the
-cluster described in ``placement.nodes`` can hold the run and assigns every worker a node and
-GPU indices, first fit, in this order:
-
-    trainer: ``trainer_gpus`` FSDP2 ranks on GPUs labelled ``trainer_gpu_type`` (any type when
-             unset), one node if one can hold them all (Ray strategy STRICT_PACK, NVLink), else
-             packed over as few nodes as possible (PACK);
-    generation: ``num_instances`` vLLM instances of ``gen_gpus_per_instance`` GPUs each, every
-             instance inside one node (tensor parallelism stays on NVLink), on GPUs labelled
-             ``gen_gpu_type``, never on a GPU the trainer holds (disaggregated: separate GPUs).
-
-The same bundles are what a live run asks Ray for: each bundle is ``{"CPU": c, "GPU": g,
-"<gpu_type>": g}``, so a heterogeneous cluster is expressed with Ray custom resources (start the
-H20 nodes with ``--resources='{"H20": 8}'``). The trainer bundles become the placement group of
-``trainer.fsdp.FSDPTrainerGroup``; generation instance ``gen-<i>`` asks Ray for bundle ``i``'s
-resources as actor options (``sgs.service``). On CPU the trainer is one bundle of
-``trainer.threads`` CPUs, or with ``trainer.backend=fsdp`` ``trainer.fsdp_ranks`` bundles of
-``trainer.fsdp_rank_cpus`` each (gloo ranks; fractions let a 2-core machine hold two ranks and an
-instance). Pinning (``placement.trainer_node`` / ``trainer_site`` / ``gen_nodes`` / ``gen_sites``) adds a
-small amount of a node's ``node_<N>`` or ``site_<S>`` label resource to a bundle, so Ray can only
-place that worker there (``streamrl cluster up`` labels its nodes so; ``streamrl plan --cluster``
-writes such a plan); ``check_cluster`` fails before any actor exists when no node carries a
-label the plan asks for. ``streamrl train CONFIG --dry-run`` prints the plan
-on any machine, GPU or not. A plan that does not fit fails here, naming the key and the numbers,
-instead of Ray waiting forever for resources that never come.
+cluster described in ``placement.nodes`` can hold the run and assigns every worker a node and GPU
+indices, first fit (the order: ``plan_placement``). Invariants: a generation instance lies inside
+one node and never on a GPU the trainer holds (disaggregated); each ``Bundle`` is exactly what a
+live run asks Ray for (``PlacementPlan``); a plan that does not fit fails here with a
+``ConfigError`` naming the key and the numbers, instead of Ray waiting forever for resources that
+never come, and ``check_cluster`` fails before any actor exists when no node carries a label the
+plan pins a worker to. ``streamrl train CONFIG --dry-run`` prints the plan on any machine.
 """
 
 from __future__ import annotations
@@ -41,7 +24,9 @@ class Bundle:
     role: str
     """``trainer-rank-<r>`` or ``gen-<i>``."""
     resources: dict[str, float]
-    """The Ray bundle (``CPU``, ``GPU`` and the GPU-type label)."""
+    """The Ray bundle: ``{"CPU": c, "GPU": g, "<gpu_type>": g}`` plus any pinning label. A
+    heterogeneous cluster is expressed with Ray custom resources (start the H20 nodes with
+    ``--resources='{"H20": 8}'``)."""
     node: str
     """Planned node, ``<gpu_type>-<index>`` (``local`` on CPU)."""
     gpus: tuple[int, ...] = ()
@@ -58,6 +43,10 @@ class Node:
 
 @dataclass(frozen=True)
 class PlacementPlan:
+    """The plan a live run follows: the trainer bundles become the placement group of
+    ``trainer.fsdp.FSDPTrainerGroup``, and generation instance ``gen-<i>`` asks Ray for bundle
+    ``i``'s resources as actor options (``sgs.service``)."""
+
     device: str
     nodes: tuple[Node, ...]
     trainer: tuple[Bundle, ...]
@@ -77,6 +66,16 @@ class PlacementPlan:
 
 
 def plan_placement(cfg: Config) -> PlacementPlan:
+    """Assign every worker a node and GPUs, first fit, in this order:
+
+    trainer: ``trainer_gpus`` FSDP2 ranks on GPUs labelled ``trainer_gpu_type`` (any type when
+             unset), one node if one can hold them all (Ray strategy STRICT_PACK, NVLink), else
+             packed over as few nodes as possible (PACK);
+    generation: ``num_instances`` vLLM instances of ``gen_gpus_per_instance`` GPUs each, every
+             instance inside one node (tensor parallelism stays on NVLink), on GPUs labelled
+             ``gen_gpu_type``, never on a GPU the trainer holds.
+
+    On CPU (``_plan_cpu``) there are no GPUs: only CPU bundles."""
     if cfg.placement.device == "cpu":
         return _plan_cpu(cfg)
     return _plan_gpu(cfg)
@@ -84,7 +83,10 @@ def plan_placement(cfg: Config) -> PlacementPlan:
 
 PIN_AMOUNT = 0.001
 """How much of a ``node_<N>`` / ``site_<S>`` label resource a pinned actor asks for: enough to
-restrict where Ray may place it, too little to limit how many actors share the node."""
+restrict where Ray may place it, too little to limit how many actors share the node. Pinning
+(``placement.trainer_node`` / ``trainer_site`` / ``gen_nodes`` / ``gen_sites``) adds it to a
+bundle; ``streamrl cluster up`` labels its nodes so, and ``streamrl plan --cluster`` writes such a
+plan."""
 
 
 def _pin(node: str | None, site: str | None) -> dict[str, float]:
@@ -141,6 +143,9 @@ def elastic_max(cfg: Config) -> int:
 
 
 def _plan_cpu(cfg: Config) -> PlacementPlan:
+    """The trainer is one bundle of ``trainer.threads`` CPUs, or with ``trainer.backend=fsdp``
+    ``trainer.fsdp_ranks`` bundles of ``trainer.fsdp_rank_cpus`` each (gloo ranks; fractions let a
+    2-core machine hold two ranks and an instance); each instance is one CPU bundle."""
     g, t = cfg.generation, cfg.trainer
     node = Node("local", "cpu", 0, cfg.cluster.num_cpus)
     pin = trainer_labels(cfg)

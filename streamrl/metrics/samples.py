@@ -1,27 +1,13 @@
 """The rollout log: every trained sample of a run as one JSONL row (``logging.samples: true``).
 
-One row per sample, written by the driver after each iteration's ``pipeline.step`` (so the file
-holds what the trainer consumed, in iteration order). A run resumed at iteration k keeps the rows
-of iterations before k and drops later ones (written after the checkpoint it resumes from, they
-will be generated again); a fresh run starts an empty file::
-
-    {"iteration", "epoch", "key", "text", "sample_idx", "length", "reward", "finish_reason",
-     "version_start", "version_end", "instance", "response", "logprob", "logprobs",
-     "output_ids"}
-
-``logprob`` is the sum of the sampled tokens' log-probabilities under the policy that generated
-them (the behaviour policy), so a later policy's likelihood of the same response can be compared
-with it (importance weights; ``streamrl/ranker/reweighted.py``); ``logprobs`` the same token by
-token (rounded to 1e-6), for the per-decision estimator. Both are null when the engine returned
-no log-prob per token. ``output_ids`` are the generated token ids (EOS included): the response
-text alone does not always encode back to them (a special token sampled mid-response is dropped
-from the text; 28 of 24,576 rows of one RL run).
-
-``epoch`` is how many earlier iterations drew the same prompt: 0 the first time the run saw it, 1
-the second, ... (the prompt stream's epoch where batches do not straddle an epoch boundary). The
-rows are ``streamrl rank eval --data samples`` records as they are (``key``, ``text``, ``length``;
-``--step-field epoch`` or ``iteration`` says which column orders them), so the ranker can be
-evaluated on the lengths a real RL run produced, with the history an online ranker would have had.
+The driver writes one row per sample after each iteration's ``pipeline.step``, so the file holds
+what the trainer consumed, in iteration order (the fields: ``SampleLog.write``). A run resumed at
+iteration k keeps the rows of iterations before k and drops later ones (written after the
+checkpoint it resumes from, they will be generated again); a fresh run starts an empty file.
+The rows are ``streamrl rank eval --data samples`` records as they are (``key``, ``text``,
+``length``; ``--step-field epoch`` or ``iteration`` says which column orders them), so a ranker
+can be evaluated on the lengths a real RL run produced, with the history an online ranker would
+have had.
 """
 
 from __future__ import annotations
@@ -54,7 +40,21 @@ class SampleLog:
         self._file = open(self.path, "a")
 
     def write(self, iteration: int, samples: Iterable[Sample]) -> int:
-        """Write one iteration's samples; returns how many rows were written."""
+        """Write one iteration's samples; returns how many rows were written. A row::
+
+            {"iteration", "epoch", "key", "text", "sample_idx", "length", "reward", "finish_reason",
+             "version_start", "version_end", "instance", "response", "prompt_ids", "reward_error",
+             "logprob", "logprobs", "output_ids"}
+
+        ``epoch`` is how many earlier iterations drew the same prompt: 0 the first time the run
+        saw it, 1 the second, ... (the prompt stream's epoch where batches do not straddle an
+        epoch boundary). ``logprob`` is the sum of the sampled tokens' log-probabilities under the
+        policy that generated them (the behaviour policy), so a later policy's likelihood of the
+        same response can be compared with it (importance weights; ``ranker/reweighted.py``);
+        ``logprobs`` the same token by token (rounded to 1e-6), for the per-decision estimator;
+        both are null when the engine returned no log-prob per token. ``output_ids`` are the
+        generated token ids (EOS included): the response text alone does not always encode back
+        to them (a special token sampled mid-response is dropped from the text)."""
         samples = list(samples)
         keys = {s.prompt.prompt_id for s in samples}
         for s in samples:

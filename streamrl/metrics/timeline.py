@@ -1,28 +1,13 @@
 """Timeline of stage events: who did what, for which iteration and policy version, when.
 
-Dataflow::
-
-    each component (trainer actor, generation instance, driver)
-        records Events into its own Timeline (``tl.add(...)`` or ``with tl.span(...)``)
-    the driver collects them (actors return ``tl.events()``; ``driver_tl.extend(events)``)
-    at the end of a run: ``tl.to_json(path)``, ``gantt(tl, png)``, ``tl.summary()`` -> metrics
-
-A long run's driver calls ``tl.spill_to(path)``: from then on events go to a JSON-lines file
-as they arrive and none stay in memory (a run of any length holds the driver's memory flat);
-reads (``events()``, ``summary()``) load the file; ``unspill()`` brings them back for reporting.
-
-Clock: ``time.time()`` (wall clock), so events from different processes on one node line up;
-across nodes they are as good as the nodes' clock sync. ``Timeline.t0`` (the earliest start)
-is the run's origin in pictures and summaries.
-
-Standard ``what`` kinds (open set; these have fixed colours in the Gantt picture):
-``generate`` (an instance decoding), ``train`` (an optimizer step or a mini-batch),
-``prepare`` (per-sample work: old/ref log-probs, values, rewards), ``weight_push`` (flatten +
-publish on the trainer), ``weight_fetch`` (an instance receiving a version while it keeps
-generating; ``meta``: bytes, full or delta, source, link), ``weight_load`` (the copy into the
-instance's parameters: the engine's pause), ``eval``, ``idle`` (an explicit wait). Busy
-fractions ignore ``idle`` and ``weight_fetch`` (a transfer, not work of the instance's
-cores). Gaps with no event are idle too.
+Each component (trainer actor, generation instance, driver) records ``Event``s into its own
+``Timeline`` (``tl.add(...)`` or ``with tl.span(...)``); actors return ``tl.events()``, the driver
+merges them (``driver_tl.extend(events)``) and at the end of a run writes ``tl.to_json(path)``,
+``gantt(tl, png)`` and ``tl.summary()`` (metrics). Invariants: a ``Timeline`` is thread-safe;
+after ``spill_to`` no event stays in memory, so the driver's memory stays flat however long the
+run; times are ``time.time()`` (wall clock), so events of processes on one node line up (across
+nodes, as well as the nodes' clocks are synced), and ``Timeline.t0`` (the earliest start) is the
+origin of pictures and summaries. Event kinds: ``STANDARD_KINDS``; busy fractions: ``NOT_BUSY``.
 """
 
 from __future__ import annotations
@@ -40,7 +25,15 @@ from streamrl.types import Event  # noqa: F401  (the record; re-exported for cal
 
 STANDARD_KINDS = ("generate", "train", "prepare", "weight_push", "weight_fetch", "weight_load", "checkpoint", "eval",
                   "idle")
+"""The ``what`` kinds with fixed colours in the Gantt picture (an open set): ``generate`` (an
+instance decoding), ``train`` (an optimizer step or a mini-batch), ``prepare`` (per-sample work:
+old/ref log-probs, values, rewards), ``weight_push`` (flatten + publish on the trainer),
+``weight_fetch`` (an instance receiving a version while it keeps generating; ``meta``: bytes, full
+or delta, source, link), ``weight_load`` (the copy into the instance's parameters: the engine's
+pause), ``checkpoint``, ``eval``, ``idle`` (an explicit wait)."""
 NOT_BUSY = frozenset({"idle", "weight_fetch"})
+"""Kinds that busy fractions ignore: ``weight_fetch`` is a transfer, not work of the instance's
+cores. Gaps with no event are idle too."""
 
 
 class Timeline:
@@ -54,7 +47,8 @@ class Timeline:
 
     def spill_to(self, path: str | Path) -> None:
         """Keep events in ``path`` (JSON lines, appended as they arrive) instead of in memory;
-        the events held so far go first."""
+        the events held so far go first. Reads (``events()``, ``summary()``) load the file;
+        ``unspill()`` brings the events back for reporting. A long run's driver calls this."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:

@@ -6,12 +6,10 @@
     run.out_dir <--unpack_dir-- files returned by the trainer <-- TrainerActor.save(ship=True)
     run.out_dir --pack_dir-->  files sent to the trainer       --> TrainerActor.load(files)
 
-Only the driver reads ``policy.path`` and the data files (prompts reach instances as token ids
-in their requests) and only the driver writes ``run.out_dir``: a trainer on another node
-returns its checkpoint as files, and the driver writes them. The package itself travels with
-Ray's runtime environment (``cluster.ship_package``). Every file is a plain byte string keyed
-by its relative path; a directory is written to a temporary sibling and renamed into place, so
-a reader never sees half of one.
+Invariants: only the driver reads ``policy.path`` and the data files (prompts reach instances as
+token ids) and only it writes ``run.out_dir``; a file travels as a byte string keyed by its
+relative path; a directory is written to a temporary sibling and renamed into place, so a reader
+never sees half of one. The package itself travels with Ray's runtime env (``cluster.ship_package``).
 """
 
 from __future__ import annotations

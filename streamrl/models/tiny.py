@@ -1,10 +1,9 @@
 """The tiny policy: a character-level tokenizer and a small Qwen2, both built here, no hub.
 
-The tokenizer is trained locally with Hugging Face ``tokenizers`` (a BPE model whose vocabulary
-is capped at the alphabet plus special tokens, so it never merges: one character, one token) and
-wrapped as a ``PreTrainedTokenizerFast``; the model is a standard ``Qwen2ForCausalLM``. Both are
-saved with ``save_pretrained`` into one directory that ``transformers`` reloads (and vLLM could
-serve): ``config.json``, ``model.safetensors``, ``tokenizer.json``, ...
+The tokenizer (``build_tokenizer``) maps one character to one token; the model is a standard
+``Qwen2ForCausalLM``. Both are saved with ``save_pretrained`` into one directory that
+``transformers`` reloads (and vLLM could serve): ``config.json``, ``model.safetensors``,
+``tokenizer.json``, ...
 
 Sequence layout used everywhere (SFT, generation, training)::
 
@@ -28,7 +27,9 @@ PRINTABLE = "".join(chr(c) for c in range(32, 127))
 
 
 def build_tokenizer(corpus: list[str], alphabet: str = PRINTABLE) -> "PreTrainedTokenizerFast":
-    """Train a character-level BPE tokenizer on ``corpus`` (no merges: vocab = specials + alphabet)."""
+    """Train a character-level BPE tokenizer on ``corpus`` locally with Hugging Face ``tokenizers``
+    and wrap it as a ``PreTrainedTokenizerFast``. The vocabulary is capped at the alphabet plus
+    the special tokens, so BPE never merges: one character, one token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

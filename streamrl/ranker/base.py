@@ -2,22 +2,13 @@
 
 A ranker maps prompts to estimated output lengths; only the order of the estimates matters
 (dispatch puts the top α into the long-tail pool and admits longest-predicted first, §3.7).
-
-Lifecycle during RL::
-
-    ranker = make_ranker(cfg.ranker.name, **cfg.ranker.kwargs)
-    ranker.fit(texts, lengths, keys)        # before training: (prompt, length) pairs of this policy
-    est = ranker.score(dataset_texts, keys) # the dataset is scored ahead, off the critical path
-    ...                                      # each iteration, from a background thread:
-    ranker.update(recent_texts, recent_lengths, recent_keys)   # cheap online refresh
-
-``keys`` are stable prompt identities (a dataset index or a hash of the prompt); when omitted the
-text itself is the key. Rankers that remember per-prompt history (``history``, ``blend``) need
-them; text-only rankers (``learned``) ignore them except to group samples of one prompt.
-
-``update`` may run on a background thread while ``score`` runs on another: implementations build
-their new state aside and swap it in under a lock, so ``score`` always sees a consistent model.
-Pure numpy/torch: no Ray, no engine.
+Lifecycle during RL: ``make_ranker(name, **kwargs)``, ``fit`` once before training on (prompt,
+length) pairs of this policy, ``score`` the dataset ahead (off the critical path), then
+``update`` with each iteration's generations from a background thread (``ranker.online``).
+Invariants: ``keys`` are stable prompt identities (the text itself when omitted); ``update`` may
+run while ``score`` runs on another thread, so implementations build their new state aside and
+swap it in under a lock, and ``score`` always sees a consistent model. Pure numpy/torch: no Ray,
+no engine.
 """
 
 from __future__ import annotations
@@ -62,7 +53,11 @@ def check_samples(texts: Sequence[str], lengths: Sequence[float] | None,
 
 
 class Ranker(ABC):
-    """Estimates output lengths of prompts; higher score = longer expected response."""
+    """Estimates output lengths of prompts; higher score = longer expected response.
+
+    ``keys`` are a dataset index or a hash of the prompt. Rankers that remember per-prompt
+    history (``history``, ``blend``) need them; text-only rankers (``learned``) ignore them
+    except to group samples of one prompt."""
 
     name: str = "ranker"
     # Capabilities, declared here so callers never probe with getattr/hasattr.

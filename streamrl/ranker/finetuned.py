@@ -1,33 +1,15 @@
 """The paper's ranker: a small language model fine-tuned to estimate output lengths (PAPER.md §3.6).
 
 ``lm`` takes a causal LM checkpoint (by default the policy itself: on the CPU path the tiny policy
-that ``streamrl make-policy`` builds), drops its language-model head, and puts a linear regression
-head on the hidden state of the prompt's last token. The whole network is fine-tuned on
-(prompt, output length) pairs of the policy::
+that ``streamrl make-policy`` builds), replaces its LM head by a linear regression head on the
+hidden state of the prompt's last token, and fine-tunes the whole network on (prompt, length)::
 
     samples (text, length) ──group by text──> m distinct prompts, y = log1p(mean length), w = count
     ├─ probe: train on 80 % of the prompts, keep the epoch with the lowest weighted MSE on the rest
     └─ final: refit on all m prompts for that many epochs (AdamW, cosine learning rate, batches of prompts)
     score(texts) = expm1(mean over {probe, final} of head(h_last(texts)))     (only the order matters)
-    update(recent) = both networks trained on the window of recent samples for a few epochs,
-                     built aside and swapped in under a lock
 
-The probe is kept as a second ensemble member because it is already trained, and the average of
-the two ranked held-out groups better than the final network alone.
-
-Why start from the policy's weights: the ranker has to predict what *this* policy will do with a
-prompt, including its systematic mistakes, and the policy's network already computes the features
-that drive them. A prompt-only regression on the text (``learned``) can at best learn the task;
-on the synthetic task the policy's runaway and early-stopping chains decide the longest groups,
-and the task's own solution length ranks them worse than the fine-tuned policy does. The same
-network from random weights ranks far worse: the start carries the signal (docs/experiments.md).
-
-Cost: a fit is minutes of CPU on thousands of prompts (the paper: "minutes of training"), run
-before the first iteration and in the online refresh's background thread; scoring is one forward
-pass per 512 prompts, off the critical path.
-
-Falls back to a constant prediction (the mean) while fewer than ``min_prompts`` distinct prompts
-have been seen, so a cold start does not fine-tune on a handful of groups.
+Why the policy's weights, the online ``update`` and the cold start: ``FinetunedLMRanker``.
 """
 
 from __future__ import annotations
@@ -45,6 +27,22 @@ from streamrl.ranker.base import Ranker, check_samples
 
 class FinetunedLMRanker(Ranker):
     """A causal LM with a regression head on the last prompt token, fine-tuned on lengths.
+
+    Why start from the policy's weights: the ranker has to predict what *this* policy will do
+    with a prompt, including its systematic mistakes, and the policy's network already computes
+    the features that drive them. A prompt-only regression on the text (``learned``) can at best
+    learn the task; on the synthetic task the policy's runaway and early-stopping chains decide
+    the longest groups, and the task's own solution length ranks them worse than the fine-tuned
+    policy does. The same network from random weights ranks far worse: the start carries the
+    signal (docs/experiments.md).
+
+    The probe is kept as a second ensemble member because it is already trained, and the average
+    of the two ranked held-out groups better than the final network alone. ``update`` trains
+    both networks on the window of recent samples for a few epochs, aside, and swaps them in
+    under a lock. While fewer than ``min_prompts`` distinct prompts have been seen the prediction
+    is a constant (the mean), so a cold start does not fine-tune on a handful of groups. A fit
+    runs before the first iteration and in the online refresh's background thread; scoring is
+    off the critical path.
 
     Args:
         model_path: checkpoint directory of the base model (``streamrl.models.tiny.load_policy``
@@ -180,7 +178,7 @@ class FinetunedLMRanker(Ranker):
             decoder.eval()
         out = []
         with torch.no_grad():
-            for i in range(0, len(texts), 512):
+            for i in range(0, len(texts), 512):  # one forward pass per 512 prompts
                 x, mask = self._encode(texts[i:i + 512])
                 out.append(np.mean([self._forward(net, x, mask).double().numpy() for net in nets], axis=0))
         return np.concatenate(out) if out else np.zeros(0)

@@ -1,28 +1,15 @@
 """History ranker and the learned+history blend (online length signal, PAPER.md §5: RhymeRL).
 
-``HistoryRanker`` remembers, per prompt key, a running mean of this policy's previous output
-lengths (in log space by default: the long-CoT tail loops to the cap, and a geometric mean is not
-dragged by one capped response). Each ``update`` call is one step (an RL iteration, a
-checkpoint): with ``decay < 1`` the weight of everything seen before is multiplied by ``decay``
-per step, so the estimate follows a drifting policy. A prompt never seen gets the prior: the
-median of the recent samples, or the score of a ``prior`` ranker.
-
-``BlendRanker`` is the history shrunk towards a learned prior, weighted by how much history a
-prompt has (empirical Bayes)::
+``HistoryRanker`` remembers, per prompt key, a decayed running mean of this policy's previous
+output lengths (in log space by default); a prompt never seen gets a prior: the median of the
+recent samples, or a ``prior`` ranker's score. ``BlendRanker`` shrinks the history towards a
+learned prior, weighted by how much history a prompt has (empirical Bayes)::
 
     est(k) = (S_k + c * prior(k)) / (W_k + c)      S_k, W_k: decayed sum / count of log lengths
 
-so an unseen prompt gets the learned score, a prompt with many samples its own mean. The pseudo
-count ``c`` is ``"auto"`` by default: within-prompt variance of log length divided by the learned
-prior's error variance on prompt means (its held-out RMSE² ``loo_rmse_``, less the sampling noise of
-a mean), i.e. "how many samples is the learned score worth".
-
-Measured (``streamrl rank eval``): log vs linear mean and decay 1 / 0.7 / 0.4 are within noise on
-qwen-math held-out samples; on the AIME checkpoints decay < 1 is slightly worse (Spearman 0.71 /
-0.70 / 0.68): those checkpoints agree on which prompts are long, so the default is no decay.
-
-State is a dict per key; ``update`` mutates it under a lock (callable from a background thread)
-and ``score`` reads under the same lock.
+so an unseen prompt gets the learned score and a prompt with many samples its own mean.
+Invariant: the state is a dict per key that ``update`` mutates and ``score`` reads under one lock
+(``update`` may run on a background thread). The choice of ``decay``, space and ``c``: the classes.
 """
 
 from __future__ import annotations
@@ -40,12 +27,20 @@ _SPACES = ("log", "linear")
 class HistoryRanker(Ranker):
     """Per-prompt (decayed) mean of previous lengths; unseen prompts get a prior.
 
+    The mean is in log space by default: the long-CoT tail loops to the cap, and a geometric mean
+    is not dragged by one capped response. Each ``update`` call is one step (an RL iteration, a
+    checkpoint): with ``decay < 1`` the weight of everything seen before is multiplied by
+    ``decay`` per step, so the estimate follows a drifting policy. The defaults (log space, no
+    decay) come from ``streamrl rank eval`` (figures: docs/design.md): log vs linear and the decay
+    made no difference beyond noise, or decay was slightly worse where checkpoints agree on which
+    prompts are long.
+
     Args:
         decay: weight multiplier per step on older samples, in (0, 1]; 1 = plain running mean.
         space: ``"log"`` (mean of log1p length) or ``"linear"`` (mean length).
         prior: a ranker scoring unseen prompts (fit and updated alongside); None = recent median.
         prior_count: pseudo count of the prior in every prompt's mean (0 = pure fallback);
-            ``"auto"`` estimates it from the data (see the module docstring).
+            ``"auto"`` estimates it from the data (see ``BlendRanker``).
         median_window: samples kept for the median prior.
     """
 
@@ -149,7 +144,12 @@ class HistoryRanker(Ranker):
 
 
 class BlendRanker(HistoryRanker):
-    """History shrunk towards the learned ranker's score by a pseudo count (see module docstring).
+    """History shrunk towards the learned ranker's score by a pseudo count (the module's formula).
+
+    The pseudo count ``c`` is ``"auto"`` by default: the within-prompt variance of log length
+    divided by the learned prior's error variance on prompt means (its held-out RMSE²
+    ``loo_rmse_``, less the sampling noise of a mean), i.e. "how many samples is the learned score
+    worth" (``_auto_prior_count``).
 
     ``prior`` names the text ranker (``learned``, or ``lm``: the fine-tuned policy, which starts
     from ``model_path``, the run's policy unless given); ``learned`` holds its keyword arguments.

@@ -1,6 +1,6 @@
 """Learned rankers on the prompt text: a ridge on hashed n-grams, and boosted trees on character positions.
 
-Data flow of ``LearnedRanker`` (``learned``, the default)::
+``LearnedRanker`` (``learned``, the default); ``RidgeRanker`` (``learned-ridge``) is the ridge alone::
 
     samples (text, length) ──group by text──> m unique prompts, y = mean log1p length, w = count
     ├─ ridge: hashed char n-grams + counts ──kernel ridge, λ by exact leave-one-prompt-out──> r(x), LOO r_i
@@ -9,33 +9,7 @@ Data flow of ``LearnedRanker`` (``learned``, the default)::
     └─ β in {0, 0.1, ..., 1}: lowest weighted held-out MSE of  β r_i + (1 - β) t_i
     score(texts) = expm1(β r(x) + (1 - β) t(x))
 
-``RidgeRanker`` (``learned-ridge``) is the ridge alone.
-
-Why the ridge: with no pretrained weights the ranker learns from the few hundred prompts of one
-policy's history and must rank new prompts; a ridge fits in about a second and ranked held-out
-prompts better than a small char-CNN. With few prompts nothing beats prompt length by much: the
-text carries little length signal beyond size; history (``history.py``) does.
-
-Why the trees: a ridge on n-gram counts is linear and blind to where an n-gram sits, so it cannot
-express a length set by one character at the start *interacting* with characters at the end (the
-synthetic task: ``U``/``D`` first, then the last digits of ``a`` and the step ``s``). Trees on the
-code point at each of the first and last K positions (left- and right-aligned, so prompts of
-different length line up at both ends) split on such interactions without parsing anything
-task-specific. On math word problems they carry little, and β, chosen on held-out predictions,
-stays at or near 1 (the ridge). Measurements: docs/experiments.md.
-
-Features: character 1–4-grams hashed (stable multiply-shift hash, not Python's salted ``hash``)
-into ``2**hash_bits`` buckets, sublinear counts ``log1p``, each row L2-normalised; plus
-standardised numeric columns (log chars, log digits, log ``$``, log LaTeX commands, log words).
-The trees see the code points of the first and last ``positions`` characters (-1 past the end
-of a short text) and the same five counts, unscaled. Samples of one prompt are grouped (their
-texts are identical) so the ridge is an m x m system with m the number of distinct prompts,
-solved once by eigendecomposition for all candidate λ. Trees need at least ``5 * cv_folds``
-distinct prompts; with fewer the learned ranker is the ridge.
-
-Online refresh (``update``): appended to a window of the most recent ``window`` samples and
-refit; the new model is swapped in under a lock, so ``score`` on another thread never sees a
-half-built model.
+Invariant: ``update`` refits on the last ``window`` samples aside, then swaps under a lock. Why: the classes.
 """
 
 from __future__ import annotations
@@ -108,7 +82,12 @@ class _Fit:
 
 
 class _PromptRegressor(Ranker):
-    """Regression of mean log length per distinct prompt text, refit on a window of recent samples."""
+    """Regression of mean log length per distinct prompt text, refit on a window of recent samples.
+
+    Samples of one prompt are grouped (their texts are identical), so a fit is over m distinct
+    prompts. ``update`` appends to the window of the most recent ``window`` samples and refits;
+    the new model is swapped in under a lock, so ``score`` on another thread never sees a
+    half-built model."""
 
     def __init__(self, window: int):
         if window < 1:
@@ -169,6 +148,18 @@ class _PromptRegressor(Ranker):
 
 class RidgeRanker(_PromptRegressor):
     """Weighted ridge regression of log output length on hashed char n-grams of the prompt.
+
+    Why a ridge: with no pretrained weights the ranker learns from the few hundred prompts of one
+    policy's history and must rank new prompts; a ridge fits fast and ranked held-out prompts
+    better than a small char-CNN (docs/experiments.md). With few prompts nothing beats prompt
+    length by much: the text carries little length signal beyond size; history
+    (``history.py``) does.
+
+    Features: character 1–4-grams hashed (stable multiply-shift hash, not Python's salted
+    ``hash``) into ``2**hash_bits`` buckets, sublinear counts ``log1p``, each row L2-normalised;
+    plus standardised numeric columns (log chars, log digits, log ``$``, log LaTeX commands, log
+    words). The ridge is an m x m system (m distinct prompts), solved once by eigendecomposition
+    for all candidate λ.
 
     Args:
         hash_bits: log2 of the number of n-gram buckets.
@@ -251,7 +242,20 @@ class RidgeRanker(_PromptRegressor):
 
 
 class LearnedRanker(_PromptRegressor):
-    """The ridge blended with boosted trees on character positions (see the module docstring).
+    """The ridge blended with boosted trees on character positions (the module's data flow).
+
+    Why the trees: a ridge on n-gram counts is linear and blind to where an n-gram sits, so it
+    cannot express a length set by one character at the start *interacting* with characters at
+    the end (the synthetic task: ``U``/``D`` first, then the last digits of ``a`` and the step
+    ``s``). Trees on the code point at each of the first and last K positions (left- and
+    right-aligned, so prompts of different length line up at both ends) split on such
+    interactions without parsing anything task-specific. On math word problems they carry
+    little, and β, chosen on held-out predictions, stays at or near 1 (the ridge). Measurements:
+    docs/experiments.md.
+
+    The trees see the code points of the first and last ``positions`` characters (-1 past the
+    end of a short text) and the same five counts as the ridge, unscaled. They need at least
+    ``5 * cv_folds`` distinct prompts; with fewer the learned ranker is the ridge.
 
     Args:
         positions: characters read at each end of the prompt by the trees.

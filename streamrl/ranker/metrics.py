@@ -1,19 +1,10 @@
 """How well a ranker orders samples by output length: top-x% recall, Spearman, and the ceiling.
 
 Only the order of the scores matters to dispatch (PAPER.md §3.6–3.7), so every metric here is
-rank-based. All functions are pure numpy.
+rank-based; all functions are pure numpy.
 
-- ``recall_at_top(true, scores, frac)``: of the true longest ``k = max(1, round(frac * n))``
-  samples, the fraction found among the ``k`` highest scores (the paper's Table 4 metric; the
-  same ``k`` as ``streamrl.lab.sim.workload.top_recall``).
-
-  **Ties.** Ties are broken uniformly at random, independently for the true lengths and for the
-  scores, and the function returns the *expected* recall under that tie-breaking, computed
-  exactly rather than sampled: each sample gets a membership ``t_i`` in the true top-k (1 above
-  the k-th largest length, 0 below it, and ``slots_left / n_tied`` for the samples tied with the
-  k-th value) and a membership ``p_i`` in the predicted top-k (same rule on the scores); the
-  recall is ``sum(t_i * p_i) / k``. So a constant score gives exactly ``k / n`` (the random
-  baseline), and a ranker cannot gain or lose by the order in which tied samples happen to sit.
+- ``recall_at_top(true, scores, frac)``: the paper's Table 4 metric, with ties handled exactly
+  (a constant score gives exactly ``k / n``, the random baseline; see the function).
 - ``spearman(a, b)``: Pearson correlation of the average ranks (ties get the mean of the ranks
   they span), the textbook tie-corrected Spearman; NaN when either side is constant.
 - ``ceiling_scores``: per sample, the mean length of its prompt's *other* samples (leave-one-out),
@@ -52,7 +43,17 @@ def top_membership(values: np.ndarray, k: int) -> np.ndarray:
 
 
 def recall_at_top(true_lengths: Sequence[float], scores: Sequence[float], frac: float) -> float:
-    """Expected fraction of the true longest ``frac`` found in the predicted longest ``frac``."""
+    """Expected fraction of the true longest ``frac`` found in the predicted longest ``frac``.
+
+    Of the true longest ``k = max(1, round(frac * n))`` samples, the fraction found among the
+    ``k`` highest scores (the same ``k`` as ``streamrl.lab.sim.workload.top_recall``). Ties are
+    broken uniformly at random, independently for the true lengths and for the scores, and the
+    result is the *expected* recall under that tie-breaking, computed exactly rather than
+    sampled: each sample gets a membership ``t_i`` in the true top-k (1 above the k-th largest
+    length, 0 below it, ``slots_left / n_tied`` for the samples tied with the k-th value) and a
+    membership ``p_i`` in the predicted top-k (same rule on the scores); the recall is
+    ``sum(t_i * p_i) / k``. So a constant score gives exactly ``k / n``, and a ranker cannot gain
+    or lose by the order in which tied samples happen to sit."""
     t = _as_1d("true_lengths", true_lengths)
     s = _as_1d("scores", scores)
     if t.shape != s.shape:

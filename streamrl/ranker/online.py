@@ -1,43 +1,14 @@
 """The ranker as the live system uses it: scored ahead, refreshed in the background (PAPER.md §3.6).
 
-Dataflow (all in the driver process; the SGS owns one ``OnlineRanker``)::
-
-    register(keys, texts)  once, before RL: the whole dataset is scored now, off the critical
-                           path; the scores go in ``_table`` (key -> predicted length)
-    predict(keys)          at dispatch: a dict lookup per request (no model call)
-    observe(keys, lengths[, traces])
-                           after each generation batch: queued for the refresh thread; returns
-                           at once
-    refresh thread         fit (first batch) or update the ranker with the batch, re-score every
-                           registered prompt, swap the new table in under ``_lock``
-
-Rankers that score with the current policy (``reweighted``: ``set_policy``, ``rescore_all =
-False``) take two more calls, queued to the same thread in call order:
-
-    set_policy(load, version)  the SGS installed new weights: ``load()`` returns their state dict
-                               (the thread fetches it, so the caller never waits)
-    prefetch(keys)             score the *next* batch's prompts now, under the newest installed
-                               policy, so its dispatch is again a table lookup
-
-For them a refresh does not re-score the dataset (a forward pass per remembered response):
-it drops the observed prompts from the table, and ``prefetch`` (or, on a miss, ``predict``
-itself) scores what a batch needs. An observed prompt that the last ``prefetch`` also asked for
-(the same prompt at the end of one epoch and the start of the next) is scored again at once, in
-the thread, with its new history, so the next dispatch still finds it in the table.
-
-So dispatch never waits for training or scoring; a batch submitted while a refresh runs uses the
-previous table (one iteration old). The thread does use the driver's CPU: on a 2-core machine
-that CPU is shared with the instances and the trainer.
-
-Before the first refresh (and with no ``fit`` records), every prompt gets ``default_length``:
-dispatch then sees equal predictions (Algorithm 2 degenerates to balancing request counts).
-A prompt registered after a refresh is scored on first use; a key that was never registered
-gets ``default_length`` and is counted (``rank/unknown``). Only registered prompts are learned
-from (the ranker reads their text): lengths of unregistered ones, e.g. held-out evaluation
-prompts, are skipped and counted (``rank/unregistered_skipped``).
-
-A failure in the refresh thread is kept and re-raised by the next ``predict``/``observe``/``wait``:
-a broken ranker fails the run loudly instead of silently dispatching on stale scores.
+The SGS owns one ``OnlineRanker`` in the driver process. The dataset is scored once before RL
+(``register``), dispatch reads a table (``predict``: a dict lookup per request, no model call),
+and each generation batch is queued (``observe``) for a background thread that updates the
+ranker and swaps a new table in under a lock (the calls and their order: ``OnlineRanker``).
+Invariants: dispatch never waits for training or scoring (a batch submitted while a refresh runs
+uses the previous table, one iteration old); only registered prompts are learned from; a failure
+in the refresh thread is kept and re-raised by the next ``predict``/``observe``/``wait``, so a
+broken ranker fails the run loudly instead of silently dispatching on stale scores. The thread
+uses the driver's CPU: on a 2-core machine that CPU is shared with the instances and the trainer.
 """
 
 from __future__ import annotations
@@ -60,7 +31,34 @@ log = logging.getLogger(__name__)
 
 
 class OnlineRanker:
-    """Predicted output lengths by prompt key; see the module docstring."""
+    """Predicted output lengths by prompt key, kept in a table that a background thread refreshes::
+
+        register(keys, texts)  once, before RL: the whole dataset is scored now, off the critical
+                               path; the scores go in ``_table`` (key -> predicted length)
+        predict(keys)          at dispatch: a dict lookup per request (no model call)
+        observe(keys, lengths[, traces])
+                               after each generation batch: queued for the refresh thread;
+                               returns at once
+        refresh thread         fit (first batch) or update the ranker with the batch, re-score
+                               every registered prompt, swap the new table in under ``_lock``
+
+    Rankers that score with the current policy (``reweighted``: ``set_policy``, ``rescore_all =
+    False``) take two more calls, queued to the same thread in call order::
+
+        set_policy(load, version)  the SGS installed new weights: ``load()`` returns their state
+                                   dict (the thread fetches it, so the caller never waits)
+        prefetch(keys)             score the *next* batch's prompts now, under the newest
+                                   installed policy, so its dispatch is again a table lookup
+
+    For them a refresh does not re-score the dataset (a forward pass per remembered response):
+    it drops the observed prompts from the table, and ``prefetch`` (or, on a miss, ``predict``
+    itself) scores what a batch needs. An observed prompt that the last ``prefetch`` also asked
+    for (the same prompt at the end of one epoch and the start of the next) is scored again at
+    once, in the thread, with its new history, so the next dispatch still finds it in the table.
+
+    Lengths of unregistered prompts (e.g. held-out evaluation prompts) are skipped and counted
+    (``rank/unregistered_skipped``): the ranker reads a prompt's text to learn from it.
+    """
 
     def __init__(self, ranker: Ranker, default_length: float = 1.0, refresh: bool = True) -> None:
         if not default_length > 0:
@@ -114,7 +112,13 @@ class OnlineRanker:
 
     # ------------------------------------------------------------------------------ hot path
     def predict(self, keys: Sequence[str]) -> np.ndarray:
-        """Predicted length per key (a table lookup; see the module docstring for misses)."""
+        """Predicted length per key (a table lookup).
+
+        Before the first refresh (and with no ``fit`` records) every prompt gets
+        ``default_length``: dispatch then sees equal predictions (Algorithm 2 degenerates to
+        balancing request counts). A registered prompt missing from the table (registered after
+        a refresh, or not prefetched) is scored now; a key that was never registered gets
+        ``default_length`` and is counted (``rank/unknown``)."""
         self._raise_if_failed()
         keys = [str(k) for k in keys]
         with self._lock:

@@ -1,40 +1,14 @@
 """History reweighted to the current policy: an off-policy estimate of each prompt's mean length.
 
-The history ranker (``history.py``) predicts a prompt's output length from what the policy did
-with it in earlier epochs. During RL that history is a whole epoch old and the policy has moved.
-This ranker keeps the earlier *responses*, not only their lengths, and asks the current policy
-how likely each one is now (``estimator``)::
-
-    prompt k, earlier responses y_1..y_m, lengths L_j, behaviour log-probs b_j, current policy pi:
-        d_j = log pi(y_j | k) - b_j                      one teacher-forced forward pass
-        w_j = exp(beta * d_j) / sum_i exp(beta * d_i)    beta < 1 tempers the weights
-        est(k) = sum_j w_j L_j                           ``sequence``: self-normalised IS
-
-``per_decision``: ``E[L] = sum_t P(L > t)``, each ``P(L > t)`` weighted by the ratio over the
-first t + 1 tokens only (per-decision importance sampling). ``hazard``: the same curve as a
-product of weighted stopping chances among the responses still running (a weighted
-Kaplan-Meier). Both use per-token behaviour log-probs and reduce to the plain mean with equal
-ratios.
-
-``tree`` (the default) needs no behaviour log-probs and no weights. The remembered responses
-form a trie, the current policy gives, teacher-forced, the exact probability of every edge, and
-the expected length is computed over the trie; only the mass the policy puts on tokens no
-remembered response took (it leaves the tree there) is valued from history, at the mean length
-of the responses through that node (``_tree``). Where the policy now follows a remembered
-response closely, the estimate follows that response's length however few old samples took it;
-self-normalised weights cannot, since they only re-share weight among the samples drawn.
-Identical responses are one path: one forward pass per distinct response.
-
-A prompt with no earlier response gets the prior's score (a text ranker: ``learned``, ``lm``),
-or the median of the recent lengths without one. Only the order of the estimates matters.
-
-Cost and freshness. ``set_policy(weights, version)`` installs new weights (built aside, swapped
-under the lock); each prompt's estimate is cached until the policy or its history changes. The
-live system (``OnlineRanker``) installs each version the SGS receives and scores the *next*
-batch in its background thread (``prefetch``), so dispatch reads a table and a batch is scored
-under the policy one version older than the one that generates it. On a GPU cluster the same
-forward pass is a prefill of the remembered responses; here it runs in the driver process.
-Memory: ``max_samples`` responses (token ids) per prompt seen. Measured recall: docs/results.md.
+The history ranker (``history.py``) predicts from what the policy did with a prompt in earlier
+epochs, but during RL that history is an epoch old and the policy has moved. This ranker keeps
+the earlier *responses*, not only their lengths, and asks the current policy, teacher-forced,
+how likely each one is now. Estimators (``ReweightedHistoryRanker``): ``tree`` (the default: the
+policy's exact probabilities over the trie of remembered responses, ``_tree``), ``sequence``
+(self-normalised importance sampling), ``per_decision`` and ``hazard``. Invariants: only the
+order of the estimates matters; a prompt with no earlier response gets the prior's score (or the
+median of recent lengths); an estimate is cached until the policy or the prompt's history
+changes; new weights are built aside and swapped in under the lock. Live use: ``ranker.online``.
 """
 
 from __future__ import annotations
@@ -71,6 +45,31 @@ class Trace:
 
 class ReweightedHistoryRanker(Ranker):
     """Per-prompt mean of earlier lengths, importance-weighted to the installed policy.
+
+    ``sequence``, per prompt k with earlier responses y_1..y_m, lengths L_j, behaviour log-probs
+    b_j and current policy pi::
+
+        d_j = log pi(y_j | k) - b_j                      one teacher-forced forward pass
+        w_j = exp(beta * d_j) / sum_i exp(beta * d_i)    beta < 1 tempers the weights
+        est(k) = sum_j w_j L_j                           self-normalised importance sampling
+
+    ``per_decision``: ``E[L] = sum_t P(L > t)``, each ``P(L > t)`` weighted by the ratio over the
+    first t + 1 tokens only (``_per_decision``). ``hazard``: the same curve as a product of
+    weighted stopping chances among the responses still running, a weighted Kaplan-Meier
+    (``_hazard``). Both use per-token behaviour log-probs and reduce to the plain mean with equal
+    ratios. ``tree`` needs no behaviour log-probs and no weights (``_tree``): where the policy now
+    follows a remembered response closely, the estimate follows that response's length however
+    few old samples took it; self-normalised weights cannot, since they only re-share weight
+    among the samples drawn. Identical responses are one path: one forward pass per distinct
+    response.
+
+    Cost and freshness: ``set_policy`` installs new weights; each prompt's estimate is cached
+    until the policy or its history changes. The live system (``OnlineRanker``) installs each
+    version the SGS receives and scores the *next* batch in its background thread
+    (``prefetch``), so dispatch reads a table and a batch is scored under the policy one version
+    older than the one that generates it. On a GPU cluster the same forward pass is a prefill of
+    the remembered responses; here it runs in the driver process. Memory: ``max_samples``
+    responses (token ids) per prompt seen. Measured recall: docs/results.md.
 
     Args:
         model_path: the policy checkpoint (``streamrl.models.tiny.load_policy`` format) whose
@@ -251,7 +250,7 @@ class ReweightedHistoryRanker(Ranker):
 
     # -- the estimate ------------------------------------------------------------------------
     def _estimates(self, model, todo: dict[str, list], prompts: dict[str, list[int]]) -> dict[str, float]:
-        """Each key's expected length under ``model`` by the configured ``estimator`` (module docstring)."""
+        """Each key's expected length under ``model`` by the configured ``estimator`` (class docstring)."""
         rows = [(k, j, prompts[k], t) for k, hist in todo.items() for j, (t, _) in enumerate(hist) if t is not None]
         # A prompt's history repeats responses (a quarter of a run's are distinct): one pass per distinct one.
         distinct = list(dict.fromkeys((k, t.output_ids) for k, _, _, t in rows))

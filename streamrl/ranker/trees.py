@@ -1,32 +1,14 @@
 """Gradient-boosted regression trees in numpy: the non-linear half of the learned ranker.
 
-Data flow::
-
     x (m rows x F dense features) ──bin_edges──> per feature, up to max_bins sorted thresholds
     x ──to_bins──> xb (m x F ints; x <= edges[f][b]  <=>  xb[:, f] <= b)
     (xb, y, w) ──rounds chosen by k-fold CV over rows──> R
     (xb, y, w) ──R rounds of boosting, one depth-d tree per round──> BoostedTrees
     BoostedTrees.predict(x) = weighted mean of y + sum over trees of leaf value(x)
 
-Squared loss, so each round fits the current residuals: the gradient of a row is
-``w * (pred - y)`` and its hessian ``w``. A tree is complete (``2**depth`` leaves) and grown
-level by level: one ``bincount`` gives every node's gradient and hessian histogram over the bins
-of every feature, and each node takes its best split at once (XGBoost gain with an L2 penalty
-``l2`` on leaf values; a child lighter than ``min_leaf`` is refused). A node with no split that
-gains sends all its rows left, so its right child is empty and never reached in training.
-Leaf values are ``-learning_rate * G / (H + l2)``. Row weights are rescaled to mean 1, so ``l2``
-and ``min_leaf`` are in units of "rows" whatever the weights are.
-
-The number of rounds is picked by ``folds``-fold cross-validation over rows: boost on each
-training part up to ``max_rounds``, score the held-out part after every round, and take the round
-count with the lowest held-out weighted MSE averaged over the folds (0 rounds = predict the mean,
-so trees that only overfit are switched off). The out-of-fold predictions at that round count
-come back with the model: the caller compares them with other learners' held-out predictions.
-
-Why hand-written rather than LightGBM: the data are a few hundred rows of ~20 features, where a
-numpy version fits (with its 4-fold CV) in well under a second; LightGBM would add two binary
-dependencies (it needs scipy) to the project for that. Everything is deterministic: the only
-randomness is the fold assignment, drawn from ``seed``.
+Squared loss; complete trees grown level by level (``_grow``); the round count by
+cross-validation (``fit_boosted_trees``, which also says why not LightGBM). Invariant: fitting
+is deterministic; the only randomness is the fold assignment, drawn from ``seed``.
 """
 
 from __future__ import annotations
@@ -60,7 +42,15 @@ def to_bins(x: np.ndarray, edges: list[np.ndarray]) -> np.ndarray:
 
 def _grow(xb: np.ndarray, grad: np.ndarray, hess: np.ndarray, depth: int, l2: float, min_leaf: float,
           n_bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One tree: split feature and bin per node (``depth x 2**(depth-1)``), leaf values, leaf of each row."""
+    """One tree: split feature and bin per node (``depth x 2**(depth-1)``), leaf values, leaf of each row.
+
+    Squared loss, so each round fits the current residuals: a row's gradient is
+    ``w * (pred - y)`` and its hessian ``w``. The tree is complete (``2**depth`` leaves) and grown
+    level by level: one ``bincount`` gives every node's gradient and hessian histogram over the
+    bins of every feature, and each node takes its best split at once (XGBoost gain with an L2
+    penalty ``l2`` on leaf values; a child lighter than ``min_leaf`` is refused). A node with no
+    split that gains sends all its rows left, so its right child is empty and never reached in
+    training. Leaf values are ``-G / (H + l2)`` (``_boost`` scales them by the learning rate)."""
     m, n_feat = xb.shape
     width = 1 << (depth - 1)
     feats = np.zeros((depth, width), dtype=np.int64)
@@ -145,7 +135,15 @@ def fit_boosted_trees(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, max_rounds
     """Trees with the round count chosen by k-fold CV; returns them and the out-of-fold predictions.
 
     ``x``: (m, F) features, ``y``: (m,) targets, ``w``: (m,) positive row weights. Needs at least
-    two rows per fold.
+    two rows per fold. CV: boost on each training part up to ``max_rounds``, score the held-out
+    part after every round, and take the round count with the lowest held-out weighted MSE
+    averaged over the folds (0 rounds = predict the mean, so trees that only overfit are switched
+    off). The out-of-fold predictions at that round count come back with the model, for the
+    caller to compare with other learners' held-out predictions.
+
+    Hand-written rather than LightGBM: the data are a few hundred rows of ~20 features, where
+    this numpy version, CV included, is fast enough; LightGBM would add two binary dependencies
+    (it needs scipy) to the project for that.
     """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
@@ -159,7 +157,7 @@ def fit_boosted_trees(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, max_rounds
         raise ValueError(f"need folds >= 2 and at least 2 rows per fold; got folds={folds}, rows={m}")
     if max_rounds < 0 or depth < 1:
         raise ValueError(f"max_rounds must be >= 0 and depth >= 1, got {max_rounds}, {depth}")
-    w = w / w.mean()
+    w = w / w.mean()  # so l2 and min_leaf are in units of "rows" whatever the weights are
     edges = bin_edges(x, max_bins)
     xb = to_bins(x, edges)
     n_bins = max(e.size for e in edges)

@@ -1,25 +1,14 @@
 """Math tasks: GSM8K / MATH-500 style prompt files (jsonl or parquet) with ``math_verify`` rewards.
 
-Data flow::
-
     file (.jsonl | .parquet) --read_rows--> (line, dict) --_row_to_item--> MathItem
         --MathTask split(seed)--> train / eval Prompts --MathTask.reward--> 1.0 | 0.0
 
-Row formats (``fmt``): ``"gsm8k"`` needs ``question`` and ``answer`` (a solution ending in
-``#### N``; the gold is ``N`` without thousands commas); ``"math500"`` needs ``problem`` and
-``answer`` (or, lacking ``answer``, a ``solution`` with a ``\\boxed{}``); ``"auto"`` picks per row
-by which question field is present. A bad row (invalid JSON or UTF-8, not an object, a missing,
-non-string or empty field, no final answer, a prompt over ``max_prompt_tokens``) either raises
-``DataError`` naming file, line and field (``on_bad_row="raise"``) or is counted in the
-``LoadReport`` and logged (``"skip"``). Blank lines are not rows. A file with no usable row
-always raises.
-
-Reward: the response's final answer is its last complete ``\\boxed{...}`` (or ``\\fbox``), else
-its last number; both are length-capped, so garbage costs little and scores 0. It is compared
-with the gold by ``math_verify.parse`` / ``verify`` with math_verify's own ``signal.alarm``
-timeouts disabled (they fail outside the main thread): run the reward through
-``RewardRunner`` (isolated mode), which enforces the timeout. ``math_verify`` (~0.5 s, plus
-sympy on first parse) is imported on first use only.
+Invariants: a bad row either raises ``DataError`` naming file, line and field
+(``on_bad_row="raise"``) or is counted in the ``LoadReport`` and logged (``"skip"``); a file
+with no usable row always raises (``load_math_items``). ``math_verify`` is imported on first use
+only and runs with its own ``signal.alarm`` timeouts disabled (they fail outside the main
+thread): run the reward through ``RewardRunner`` (isolated mode), which enforces the timeout.
+Row formats: ``_row_to_item``; how an answer is found and compared: ``math_reward``.
 """
 
 from __future__ import annotations
@@ -199,7 +188,12 @@ def _spec_item(line: int, row: dict[str, Any], spec: RowSpec) -> MathItem:
 
 
 def _row_to_item(line: int, row: dict[str, Any], fmt: "Format | RowSpec") -> MathItem:
-    """Validate one row; raises ``ValueError`` with the reason (naming the field) if it is bad."""
+    """Validate one row; raises ``ValueError`` with the reason (naming the field) if it is bad.
+
+    ``"gsm8k"`` needs ``question`` and ``answer`` (a solution ending in ``#### N``; the gold is
+    ``N`` without thousands commas); ``"math500"`` needs ``problem`` and ``answer`` (or, lacking
+    ``answer``, a ``solution`` with a ``\\boxed{}``); ``"auto"`` picks per row by which question
+    field is present."""
     if isinstance(fmt, RowSpec):
         return _spec_item(line, row, fmt)
     if fmt == "auto":
@@ -240,7 +234,9 @@ def load_math_items(
 
     ``check_prompt(item)`` may return a reason to reject the row (e.g. too many tokens).
     Raises ``DataError`` for a missing/unreadable/empty file, for a bad row under
-    ``on_bad_row="raise"``, and when no row is usable.
+    ``on_bad_row="raise"``, and when no row is usable. A bad row: invalid JSON or UTF-8, not an
+    object, a missing, non-string or empty field, no final answer, a prompt over
+    ``max_prompt_tokens``. Blank lines are not rows.
     """
     if not isinstance(fmt, RowSpec) and fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS} or a RowSpec, got {fmt!r}")
@@ -309,6 +305,7 @@ def extract_final_answer(response: str) -> tuple[Literal["boxed", "number"], str
 
 @functools.lru_cache(maxsize=1)
 def _mv() -> Any:
+    """``math_verify``, imported on first use only: its import is slow (sympy included)."""
     import math_verify
     import math_verify.grader
     import math_verify.parser
@@ -331,7 +328,11 @@ def _parse_gold(answer: str) -> list[Any]:
 
 
 def math_reward(prompt: Prompt, response: str) -> float:
-    """1.0 if the response's final answer equals ``prompt.answer`` (per ``math_verify``), else 0.0."""
+    """1.0 if the response's final answer equals ``prompt.answer`` (per ``math_verify``), else 0.0.
+
+    The final answer is the response's last complete ``\\boxed{...}`` (or ``\\fbox``), else its
+    last number; both are length-capped (``MAX_ANSWER_CHARS``), so garbage costs little and
+    scores 0. It is compared with the gold by ``math_verify.parse`` / ``verify``."""
     gold = _parse_gold(prompt.answer)
     found = extract_final_answer(response) if isinstance(response, str) else None
     if found is None or len(found[1]) > MAX_ANSWER_CHARS:

@@ -2,35 +2,13 @@
 
 ``RewardRunner(fn, timeout_s=5.0, on_error="zero")`` turns any ``fn(prompt, response) -> float``
 (or a dict of named components, see ``normalize``) into ``runner(prompt, response) -> (reward,
-info)``; ``info["components"]`` holds the components. A failed call (exception, timeout, worker
-crash, non-finite or non-numeric value) is either counted, logged and scored 0.0 with
-``info = {"error": "..."}`` (``on_error="zero"``), or raised as ``RewardError`` naming the prompt
-id and the cause (``on_error="raise"``). Counters come back from ``metrics()`` as
-``reward/calls``, ``reward/errors``, ``reward/timeouts``, ``reward/worker_restarts``.
-
-Two paths:
-
-- **fast** (``fast=True``, for trusted pure functions such as the synthetic task's string
-  compare): called in the caller's thread. Exceptions are caught; there is no timeout. Overhead
-  is a try/except and a lock-protected counter bump (about a microsecond).
-- **isolated** (default, e.g. ``math_verify``, which can hang on adversarial LaTeX): the call
-  runs in a small pool of persistent worker *processes*, each fed over a socket. The caller
-  waits ``timeout_s`` with ``Connection.poll``; on expiry the worker is SIGKILLed and replaced
-  lazily on the next call, so a hung reward costs at most ``timeout_s`` plus a kill.
-
-Why processes and not threads or ``signal.alarm``: a Python thread cannot be killed, so a hung
-thread leaks forever and pins a core; ``signal.alarm`` only works in the main thread of the main
-interpreter, which rules out Ray actor threads and our reward thread pools (it is also why we
-call ``math_verify`` with its own signal-based timeouts disabled). Workers are plain
-``python -c`` subprocesses talking over an inherited socket (a ``multiprocessing`` Connection):
-no fork in a threaded host (Ray, torch), and unlike ``multiprocessing`` spawn no re-import of the
-parent's ``__main__``. Costs: one socket round trip per call (pickle prompt + response;
-~0.1 ms), one interpreter start + imports per worker (~0.3-1 s, paid again after each timeout
-or crash, outside the timed call), and the reward function must be picklable by cloudpickle
-(module-level functions travel by reference, ``__main__`` ones and closures by value). Each worker runs one call at a time;
-``num_workers`` bounds the concurrency of callers sharing one runner. Workers are killed on
-``close()``, when the runner is garbage-collected, and at interpreter exit; an orphaned worker
-exits as soon as it reads EOF from its parent.
+info)``. Invariants: a failed call (exception, timeout, worker crash, non-finite or non-numeric
+value) is either counted, logged and scored 0.0 with ``info = {"error": "..."}``
+(``on_error="zero"``) or raised as ``RewardError`` naming the prompt id and the cause
+(``"raise"``); an isolated call (the default) costs at most ``timeout_s`` plus a kill, since it
+runs in a worker *process* that is SIGKILLed on expiry and replaced on the next call; workers
+never outlive the runner. ``fast=True`` runs a trusted pure function in the caller's thread,
+with no timeout. The two paths, their costs and why processes: ``RewardRunner``.
 """
 
 from __future__ import annotations
@@ -112,7 +90,8 @@ class _Worker:
 
     Started with ``subprocess`` running ``python -c`` rather than ``multiprocessing``: spawn and
     forkserver re-import the parent's ``__main__`` script in the child, which breaks under
-    ``python -`` / REPLs and re-runs unguarded driver scripts; fork is unsafe in threaded hosts.
+    ``python -`` / REPLs and re-runs unguarded driver scripts; fork is unsafe in threaded hosts
+    (Ray, torch). The socket is an inherited ``multiprocessing`` Connection.
     """
 
     def __init__(self, fn_blob: bytes, warmup: tuple[Prompt, str] | None, startup_timeout_s: float):
@@ -179,7 +158,33 @@ def _stop_workers(workers: list[_Worker]) -> None:
 
 
 class RewardRunner:
-    """Wraps a reward function with a timeout and error accounting; see the module docstring."""
+    """Wraps a reward function with a timeout and error accounting.
+
+    ``info["components"]`` holds a dict reward's components. Counters come back from
+    ``metrics()`` as ``reward/calls``, ``reward/errors``, ``reward/timeouts``,
+    ``reward/worker_restarts`` (and ``reward/mean_call_ms``). Two paths:
+
+    - **fast** (``fast=True``, for trusted pure functions such as the synthetic task's string
+      compare): called in the caller's thread. Exceptions are caught; there is no timeout. The
+      overhead is a try/except and a lock-protected counter bump.
+    - **isolated** (default, e.g. ``math_verify``, which can hang on adversarial LaTeX): the call
+      runs in a small pool of persistent worker *processes*, each fed over a socket. The caller
+      waits ``timeout_s`` with ``Connection.poll``; on expiry the worker is SIGKILLed and
+      replaced lazily on the next call.
+
+    Why processes and not threads or ``signal.alarm``: a Python thread cannot be killed, so a
+    hung thread leaks forever and pins a core; ``signal.alarm`` only works in the main thread of
+    the main interpreter, which rules out Ray actor threads and the reward thread pools (it is
+    also why ``math_verify`` runs with its own signal-based timeouts disabled). Workers are plain
+    ``python -c`` subprocesses talking over an inherited socket (``_Worker``). Costs: one socket
+    round trip per call (pickle prompt + response), one interpreter start + imports per worker
+    (paid again after each timeout or crash, outside the timed call; figures: docs/design.md),
+    and the reward function must be picklable by cloudpickle (module-level functions travel by
+    reference, ``__main__`` ones and closures by value). Each worker runs one call at a time;
+    ``num_workers`` bounds the concurrency of callers sharing one runner. Workers are killed on
+    ``close()``, when the runner is garbage-collected, and at interpreter exit; an orphaned
+    worker exits as soon as it reads EOF from its parent.
+    """
 
     def __init__(
         self,

@@ -2,32 +2,13 @@
 
 Each prompt asks for a chain of simple steps whose *number* is drawn log-uniformly (1 to
 ``max_steps``), so correct responses range from a handful of characters to a couple of hundred,
-with a heavy tail like reasoning traces. Two sub-tasks, both verifiable:
-
-- ``U a,s:`` count up from ``a`` in steps of ``s`` until the value reaches the next multiple of
-  100 (the first value ``>= 100 * (a // 100 + 1)``); the answer is that value.
-- ``D a,s:`` count down from ``a`` (``a >= 100``) in steps of ``s`` until the value falls below
-  the multiple of 100 at or under ``a`` (the first value ``< 100 * (a // 100)``); the answer is
-  that value.
-
-A response is the chain followed by ``=answer`` (e.g. ``"U 194,3:"`` -> ``"197 200 =200"``). The
-reward is 1 when the whole worked chain and the answer are right ("show your work"), else 0.
-Checking the chain, not only the answer, matters: a policy rewarded for the answer alone learns to
-guess (the answer is within ``s`` of a multiple of 100) and the long tail the later benchmarks need
-collapses. Optional ``partial_credit`` (``task.partial_credit``) adds a shaped term for a correct
-prefix of the chain, strictly below the exact solution's 1.0.
-
-Why this shape: every decision the policy makes is *local*: the next value is the previous one
-plus or minus a one-digit step, and the chain stops when the hundreds digit changes. A tiny
-character-level model learns such rules in minutes of SFT, so RL starts from a policy that is
-often right on short chains and often wrong on long ones, which is where GRPO has signal. (A
-task that counts down *to a number given in the prompt* is not learnable this way: a 1 M-parameter
-model could not learn to compare against it in a CPU budget, overshot the stop, and RL had nothing
-to improve.) The number of steps depends on the last two digits of ``a`` and on ``s``, not on the
-prompt's length (every prompt is 6 to 8 characters), so predicting the response length is a real
-ranking problem: ``streamrl task stats`` reports Spearman(prompt tokens, response tokens) near 0.
-
-The policy is character-level, so one character is one token.
+with a heavy tail like reasoning traces. ``U a,s:`` counts up from ``a`` in steps of ``s`` to the
+next multiple of 100; ``D a,s:`` counts down below the multiple of 100 at or under ``a`` (the
+exact rules: ``_chain``). A response is the chain followed by ``=answer`` (``"U 194,3:"`` ->
+``"197 200 =200"``); the reward is 1 only for the whole worked chain and the answer
+(``SyntheticTask.reward``). Invariants: the number of steps does not depend on the prompt's
+length (every prompt is 6 to 8 characters), so predicting the response length is a real ranking
+problem; the policy is character-level, one character one token. Why this shape: ``SyntheticTask``.
 """
 
 from __future__ import annotations
@@ -68,7 +49,12 @@ def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
 
 
 def _chain(kind: str, a: int, s: int) -> list[int]:
-    """The worked values of ``kind`` (``U`` or ``D``) from ``a`` in steps of ``s``."""
+    """The worked values of ``kind`` (``U`` or ``D``) from ``a`` in steps of ``s``.
+
+    ``U``: count up until the value reaches the next multiple of 100 (the first value
+    ``>= 100 * (a // 100 + 1)``). ``D`` (``a >= 100``): count down until the value falls below the
+    multiple of 100 at or under ``a`` (the first value ``< 100 * (a // 100)``). The last value is
+    the answer."""
     if kind == "U":
         top, values, v = 100 * (a // 100 + 1), [], a
         while v < top:
@@ -124,7 +110,16 @@ def solve(prompt_text: str) -> tuple[str, str]:
 
 
 class SyntheticTask(Task):
-    """Deterministic train and held-out prompt sets for a seed; the reward is exact match."""
+    """Deterministic train and held-out prompt sets for a seed; the reward is exact match.
+
+    Why this shape: every decision the policy makes is *local*: the next value is the previous
+    one plus or minus a one-digit step, and the chain stops when the hundreds digit changes. A
+    tiny character-level model learns such rules in a short SFT, so RL starts from a policy that
+    is often right on short chains and often wrong on long ones, which is where GRPO has signal
+    (a task that was not learnable this way: docs/design.md). The number of steps depends on the
+    last two digits of ``a`` and on ``s``, not on the prompt's length: ``streamrl task stats``
+    reports Spearman(prompt tokens, response tokens) near 0.
+    """
 
     name = "synthetic"
     reward_is_fast = True
@@ -163,7 +158,12 @@ class SyntheticTask(Task):
     def reward(self, prompt: Prompt, response: str) -> float:
         """1.0 for the exact worked solution; otherwise ``partial_credit`` times the length of the
         correct prefix of the chain over the longer of the two chains (0 with ``partial_credit=0``). Accuracy
-        everywhere counts only exact solutions (reward 1.0)."""
+        everywhere counts only exact solutions (reward 1.0).
+
+        The whole worked chain is checked, not only the answer ("show your work"): a policy
+        rewarded for the answer alone learns to guess (the answer is within ``s`` of a multiple
+        of 100) and the long tail the benchmarks need collapses. ``partial_credit``
+        (``task.partial_credit``) shapes a correct prefix, strictly below the exact 1.0."""
         solution = prompt.meta["solution"]
         if response.strip() == solution:
             return 1.0

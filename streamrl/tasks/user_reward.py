@@ -6,16 +6,10 @@ convention); a list names several, summed with ``task.reward_weights`` (TRL's ``
 
     fn(response: str, answer: str, prompt: str, metadata: dict) -> float | dict[str, float]
 
-``response`` is the decoded completion, ``answer`` the row's reference answer, ``prompt`` the
-prompt text the model saw (before the chat template), ``metadata`` the row's other columns (plus
-``line`` and the raw ``problem``). A dict is a set of named components: its ``"score"`` entry is
+(the arguments: ``UserReward``). A dict is a set of named components: its ``"score"`` entry is
 the reward when present, else the sum of its values; every component is logged
-(``reward/component/<name>``).
-
-``UserReward`` is what the reward workers run. It pickles as the spec strings (or, for callables,
-by cloudpickle, so a function defined in the user's own script or ``__main__`` travels) and
-imports lazily in the worker, so ``RewardRunner``'s timeout, error counting and worker-death
-handling apply to it unchanged.
+(``reward/component/<name>``). Invariant: ``UserReward`` runs in ``RewardRunner``'s workers, so
+their timeout, error counting and worker-death handling apply to it unchanged.
 """
 
 from __future__ import annotations
@@ -127,7 +121,14 @@ def combine(values: list[Any], names: list[str], weights: list[float]) -> tuple[
 
 
 class UserReward:
-    """Picklable ``(prompt, response) -> (reward, components)`` over user functions (see module doc)."""
+    """Picklable ``(prompt, response) -> (reward, components)`` over user functions (see module doc).
+
+    ``response`` is the decoded completion, ``answer`` the row's reference answer, ``prompt`` the
+    prompt text the model saw (before the chat template), ``metadata`` the row's other columns
+    (plus ``line`` and the raw ``problem``). It pickles as the spec strings (or, for callables, by
+    cloudpickle, so a function defined in the user's own script or ``__main__`` travels) and
+    imports lazily in the worker.
+    """
 
     def __init__(self, specs: list[str] | None = None, weights: list[float] | None = None,
                  fns: list[UserFn] | None = None, base_dir: str | Path | None = None):

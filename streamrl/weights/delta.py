@@ -1,20 +1,14 @@
 """Lossless weight deltas: send only the words that changed since the version a receiver holds.
 
-Why: between two consecutive RL steps at an LLM learning rate (1e-6), most bf16 weights round
-to the same value, so a full copy over a slow cross-datacenter link is mostly repeats (verl and
-slime report 1-3 % of bytes changing per step). A delta carries, per bucket of the flat buffer,
-whichever encoding of the changes is smallest:
-
-- ``raw``:  the bucket's new bytes (most words changed: fp32 on the wire, a large step);
-- ``idx``:  the changed 16-bit words' indices (uint32) and their new values (6 bytes per change);
-- ``mask``: one bit per word (changed or not) and the new values (1/16 of raw + 2 bytes per change).
-
-Words are 16 bits whatever the tensor dtypes: every tensor starts at a 64-byte offset
-(``flat.ALIGN``), so a changed byte always lies in a changed word and no dtype needs to be known.
-The receiver rebuilds version v+1 from its copy of version v and checks a CRC32 of the whole
-result against the sender's (``apply_delta`` raises ``DeltaError`` on a wrong base or a
-mismatch), so a delta either gives bit-identical weights or fails loudly; a receiver that does
-not hold the base gets a full copy instead (``weights.engine``). Pure numpy: no Ray, no torch.
+Between two consecutive RL steps at an LLM learning rate (1e-6), most bf16 weights round to the
+same value, so a full copy over a slow cross-datacenter link is mostly repeats. A delta carries,
+per bucket of the flat buffer, whichever encoding of the changes is smallest (``raw``, ``idx``
+or ``mask``: ``DeltaBucket.kind``). Invariants: words are 16 bits whatever the tensor dtypes
+(every tensor starts at a 64-byte offset, ``flat.ALIGN``, so a changed byte always lies in a
+changed word and no dtype needs to be known); the receiver checks a CRC32 of the whole rebuilt
+buffer against the sender's, so a delta gives bit-identical weights or ``apply_delta`` raises
+``DeltaError``; a receiver that does not hold the base gets a full copy instead
+(``weights.engine``). Pure numpy: no Ray, no torch.
 """
 
 from __future__ import annotations
@@ -44,7 +38,12 @@ class DeltaBucket:
     start: int
     end: int
     kind: str
-    """``raw`` | ``idx`` | ``mask`` (module docstring)."""
+    """The smallest encoding of the bucket's changes:
+
+    - ``raw``: the bucket's new bytes (most words changed: fp32 on the wire, a large step);
+    - ``idx``: the changed 16-bit words' indices (uint32) and their new values (6 bytes per change);
+    - ``mask``: one bit per word (changed or not) and the new values (1/16 of raw + 2 bytes per
+      change)."""
     data: np.ndarray
     """raw: the new bytes; idx: uint32 word indices; mask: packed bits, one per word."""
     values: np.ndarray | None = None

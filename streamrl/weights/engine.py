@@ -1,25 +1,15 @@
 """The network-aware weight engine: versioned buffers, bf16 on the wire, deltas, relays.
 
-    trainer    WeightPublisher.publish(state_dict, v)
-                 flatten in the wire dtype -> ray.put(full)   [+ ray.put(delta v-1 -> v)]
-                 -> WeightHandle(v, full ref, delta ref, base v-1, checksum, origin trainer@A0)
-    driver     plan_tree (weights.tree) -> each receiver's parent; sends each receiver the
-               handle of its parent (the trainer's, or a relay's result: Ray resolves it first)
-    instance   WeightReceiver.receive(handle)
-                 holds base v-1 and a delta is offered -> fetch the delta, rebuild v, check CRC
-                 otherwise (new, behind, or no delta)  -> fetch the full copy
-               WeightReceiver.relay(handle) (a relay, i.e. it has children)
-                 ray.put of its own copy (and of the delta): children fetch from this node
+    trainer   WeightPublisher.publish(state_dict, v): flatten in the wire dtype, ray.put the full
+              buffer [+ the delta v-1 -> v] -> WeightHandle(v, refs, base v-1, checksum, origin)
+    driver    plan_tree (weights.tree) gives each receiver a parent; tree_calls sends it the
+              parent's handle (the trainer's, or a relay's result: Ray resolves it first)
+    instance  WeightReceiver.receive(handle): the delta when it holds base v-1, else the full copy;
+              WeightReceiver.relay(handle, fw): ray.put of its own copy (and the delta) for children
 
-Why re-publish instead of letting children fetch the trainer's object: Ray's object manager may
-pull from any node holding a copy, so which link a naive fetch crosses is up to Ray; a relay's
-own object lives only on the relay's node, so a child in the same site pulls it inside the site
-and the slow link carries one copy per site (measured by ``streamrl bench weights`` from the
-link's interface counters).
-
-bf16 on the wire (``wire_dtype="bfloat16"``) halves the bytes; the receiver's parameters keep
-their own dtype (``copy_`` upcasts). Every fetch is returned as a ``FetchRecord`` (bytes,
-seconds, kind, source, destination, link) for the timeline.
+Invariants: a version is CRC-checked whether rebuilt from a delta or fetched whole (when the
+handle has a checksum); a child fetches its parent's own object, so the slow link carries one
+copy per site (``WeightReceiver.relay``); every fetch returns a ``FetchRecord`` for the timeline.
 """
 
 from __future__ import annotations
@@ -55,7 +45,8 @@ def here() -> Location:
 
 
 def to_wire(state_dict: Mapping[str, torch.Tensor], wire_dtype: str) -> dict[str, torch.Tensor]:
-    """Floating-point tensors cast to the wire dtype (others as they are)."""
+    """Floating-point tensors cast to the wire dtype (others as they are). ``"bfloat16"`` halves
+    the bytes; the receiver's parameters keep their own dtype (``copy_`` upcasts)."""
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"weights.wire_dtype {wire_dtype!r}: choose one of {', '.join(WIRE_DTYPES)}")
     dtype = WIRE_DTYPES[wire_dtype]
@@ -209,7 +200,13 @@ class WeightReceiver:
 
     def relay(self, handle: WeightHandle, fw: FlatWeights) -> WeightHandle:
         """A handle of this process's own copy of ``fw`` (received through ``handle``), so that
-        children fetch from this node; the delta it received is re-offered with it."""
+        children fetch from this node; the delta it received is re-offered with it.
+
+        Why re-publish instead of letting children fetch the trainer's object: Ray's object
+        manager may pull from any node holding a copy, so which link a naive fetch crosses is up
+        to Ray; a relay's own object lives only on the relay's node, so a child in the same site
+        pulls it inside the site and the slow link carries one copy per site (measured by
+        ``streamrl bench weights``: docs/results.md)."""
         loc = self.location
         delta_refs = put_buckets_of(self._last_delta) if self._last_delta is not None else None
         return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", put_buckets(fw.buffer, self.bucket_bytes),

@@ -1,27 +1,15 @@
 """Flat weight buffers: a whole state dict as ONE contiguous byte buffer plus a small spec.
 
-Why: pickling a dict of tensors across processes costs 100-200 MB/s and one object per tensor;
-one numpy buffer goes through Ray's object store by reference (zero-copy for readers on the
-same node) or through a single gloo broadcast (see ``transfer.py``).
-
-Dataflow of one weight update::
+One numpy buffer goes through Ray's object store by reference (zero-copy for readers on the same
+node) or through a single gloo broadcast (``transfer.py``); a pickled dict of tensors is one
+object per tensor and slow to pickle (figures: docs/design.md). One weight update::
 
     trainer state_dict --flatten()--> FlatWeights(buffer, spec, version)      [1 copy / tensor]
         --transport (ray.put / gloo broadcast)--> FlatWeights on the receiver  [0 or 1 copy]
         --load_into(module, fw)--> module parameters, updated in place         [1 copy / tensor]
 
-Layout: each tensor's raw bytes (its dtype's native little-endian encoding, bf16 included) are
-written at an offset aligned to ``ALIGN`` bytes, so every tensor can be viewed with
-``torch.frombuffer`` at a correctly aligned address. numpy has no bfloat16, so the buffer is
-always ``uint8``; the dtype lives in the spec as a string (``"bfloat16"``).
-
-When copies happen:
-- ``flatten``: exactly one copy of every tensor into the buffer (plus a device->host copy for
-  accelerator tensors, and a contiguity copy for non-contiguous ones).
-- ``unflatten(fw)``: none; the tensors are views of ``fw.buffer``. A buffer fetched from Ray's
-  object store is read-only shared memory: the views must not be written (torch cannot mark
-  them read-only). ``unflatten(fw, copy=True)`` returns owned, writable tensors.
-- ``load_into``: one copy per tensor into the existing parameter storage; no re-allocation.
+Invariants: the buffer is always ``uint8`` (numpy has no bfloat16: the dtype is a string in the
+spec) and every tensor starts at an ``ALIGN``-byte offset, so its ``torch.frombuffer`` view is aligned.
 """
 
 from __future__ import annotations
@@ -76,7 +64,8 @@ class FlatWeights:
     """A state dict as one contiguous ``uint8`` numpy buffer, its layout and policy version."""
 
     buffer: np.ndarray
-    """1-D ``uint8``, C-contiguous; may be read-only (fetched from Ray's object store)."""
+    """1-D ``uint8``, C-contiguous; may be read-only (fetched from Ray's object store). Each
+    tensor's raw bytes are in its dtype's native little-endian encoding, bf16 included."""
     spec: list[TensorSpec]
     """One entry per tensor, in the state dict's order."""
     version: int
@@ -132,7 +121,9 @@ def storage_key(t: torch.Tensor) -> tuple:
 def flatten(state_dict: Mapping[str, torch.Tensor], version: int, meta: dict | None = None) -> FlatWeights:
     """Copy every tensor of ``state_dict`` into one new aligned ``uint8`` buffer. Tensors that
     are one storage under two names (tied embeddings) are stored once: both specs point at the
-    same bytes, so the buffer, and every transfer of it, carries them once."""
+    same bytes, so the buffer, and every transfer of it, carries them once. Exactly one copy of
+    every tensor into the buffer (plus a device->host copy for accelerator tensors, and a
+    contiguity copy for non-contiguous ones)."""
     spec: list[TensorSpec] = []
     offset = 0
     first: dict[tuple, int] = {}  # storage_key -> offset of its first name
@@ -172,7 +163,8 @@ def _view(fw: FlatWeights, ts: TensorSpec) -> torch.Tensor:
 def unflatten(fw: FlatWeights, copy: bool = False) -> dict[str, torch.Tensor]:
     """The state dict back: views of ``fw.buffer`` (``copy=False``) or owned clones (``copy=True``).
 
-    Views keep ``fw.buffer`` alive; do not write into them when the buffer came from Ray.
+    Views cost no copy and keep ``fw.buffer`` alive. A buffer fetched from Ray's object store is
+    read-only shared memory: do not write into its views (torch cannot mark them read-only).
     """
     out = {}
     for ts in fw.spec:
@@ -188,6 +180,7 @@ def load_into(target: torch.nn.Module | Mapping[str, torch.Tensor], fw: FlatWeig
     parameters and buffers) or a dict of tensors. Shapes and dtypes must match exactly; with
     ``strict`` the key sets must match too. All checks run before the first copy, so a mismatch
     leaves ``target`` untouched. Tied weights (two keys, one storage) are simply written twice.
+    One copy per tensor into the existing storage; nothing is re-allocated.
     """
     dst = target.state_dict() if isinstance(target, torch.nn.Module) else target
     src_names = set(fw.names())

@@ -1,29 +1,15 @@
 """Versioned weight transport: the trainer publishes a FlatWeights, generation instances fetch it.
 
-One small interface, two implementations::
-
     trainer:   handle = transport.publish(flatten(model.state_dict(), version))
     driver:    passes ``handle`` (a few KB: version, spec, object ref) to every instance
     instance:  load_into(engine_model, transport.fetch(handle))
 
-- ``RayObjectStoreTransport``: ``publish`` is one ``ray.put`` of the numpy buffer; ``fetch`` is
-  ``ray.get``, zero-copy on the same node (the buffer is read-only shared memory), one
-  node-to-node copy otherwise. Handles may be fetched by any number of readers, in any order,
-  any number of times; the object lives while some handle (its ObjectRef) is alive and while its
-  owner (the process that published) lives.
-- ``GlooBroadcastTransport``: a gloo process group among the publisher (rank 0) and the
-  receivers; ``publish`` starts one asynchronous broadcast of the buffer and returns at once,
-  ``fetch`` joins it. A broadcast is a collective: every receiver must fetch every handle, in
-  publish order (checked by sequence number), and all ranks must construct the transport
-  concurrently (the constructor is a rendezvous).
-
-``ray.put`` is paid once per version however many instances fetch, and same-node fetches are
-zero-copy; the gloo broadcast avoids the object-store copy (measured: docs/results.md).
-
-``send``/``receive`` wrap flatten/publish and fetch/load with timing and return one
-``TransferRecord`` per leg, so that every transfer's bytes, seconds and bandwidth are data. The
-``start`` field is wall-clock (``time.time()``) so records from different processes line up on
-one timeline (``metrics/timeline.py`` events ``weight_push`` / ``weight_load``).
+Two implementations: ``RayObjectStoreTransport`` (``ray.put`` paid once per version however many
+instances fetch; same-node fetches are zero-copy) and ``GlooBroadcastTransport`` (a collective
+that avoids the object-store copy; measured: docs/results.md). ``send``/``receive`` wrap
+flatten/publish and fetch/load with timing and return one ``TransferRecord`` per leg, so every
+transfer's bytes, seconds and bandwidth are data; its wall-clock ``start`` lines records of
+different processes up on one timeline (``metrics/timeline.py``: ``weight_push``/``weight_load``).
 """
 
 from __future__ import annotations
@@ -118,7 +104,13 @@ class WeightTransport(ABC):
 
 
 class RayObjectStoreTransport(WeightTransport):
-    """``ray.put`` of the flat numpy buffer; stateless, so it can be passed to actors."""
+    """``ray.put`` of the flat numpy buffer; stateless, so it can be passed to actors.
+
+    ``publish`` is one ``ray.put`` of the numpy buffer; ``fetch`` is ``ray.get``, zero-copy on
+    the same node (the buffer is read-only shared memory), one node-to-node copy otherwise.
+    Handles may be fetched by any number of readers, in any order, any number of times; the
+    object lives while some handle (its ObjectRef) is alive and while its owner (the process
+    that published) lives."""
 
     name = "ray"
 
@@ -188,7 +180,12 @@ def free_port() -> int:
 
 class GlooBroadcastTransport(WeightTransport):
     """A private gloo group (not the default torch.distributed group, so a trainer can keep its
-    own); rank 0 publishes, every other rank fetches every handle in order."""
+    own); rank 0 publishes, every other rank fetches every handle in order.
+
+    ``publish`` starts one asynchronous broadcast of the buffer and returns at once; ``fetch``
+    joins it. A broadcast is a collective: every receiver must fetch every handle, in publish
+    order (checked by sequence number), and all ranks must construct the transport concurrently
+    (the constructor is a rendezvous)."""
 
     name = "gloo"
 

@@ -2,18 +2,10 @@
 
 ``plan_tree(source, receivers, method)`` returns, for every receiver, its parent: ``None`` for
 the publisher (the trainer), else the name of a receiver that already holds the version and
-re-publishes its local copy (a relay).
-
-- ``naive``: every receiver fetches from the publisher: one copy per receiver crosses the link
-  to its site.
-- ``tree`` (PAPER.md §3.5): per node, one *leader* (the first receiver there by name) fetches
-  and the node's other receivers read the leader's copy (same node: shared memory, no network).
-  Per remote site, one leader is the site's *relay*: the only one that fetches from the
-  publisher, so one copy crosses the slow link per site. The site's other leaders form a
-  ``fanout``-ary tree under the relay (leader k's parent is leader (k-1) // fanout), so no single
-  sender carries every copy; in the publisher's own site the publisher is the tree's root.
-
-Receivers are served in the order of ``levels(parents)``: a parent before its children.
+re-publishes its local copy (a relay). ``naive``: every receiver fetches from the publisher;
+``tree`` (PAPER.md §3.5, the default): one copy per node and one per remote site over the slow
+link (``plan_tree``). Invariants: receivers are served in the order of ``levels(parents)``, a
+parent before its children; ``crossings`` counts the copies a plan sends across sites.
 """
 
 from __future__ import annotations
@@ -34,7 +26,17 @@ class Location:
 
 def plan_tree(source: Location, receivers: dict[str, Location], method: str = "tree",
               fanout: int = 2) -> dict[str, str | None]:
-    """``{receiver: parent}`` (``None`` = the publisher); see the module docstring."""
+    """``{receiver: parent}`` (``None`` = the publisher).
+
+    - ``naive``: every receiver fetches from the publisher: one copy per receiver crosses the
+      link to its site.
+    - ``tree``: per node, one *leader* (the first receiver there by name) fetches and the node's
+      other receivers read the leader's copy (same node: shared memory, no network). Per remote
+      site, one leader is the site's *relay*: the only one that fetches from the publisher, so
+      one copy crosses the slow link per site. The site's other leaders form a ``fanout``-ary
+      tree under the relay (leader k's parent is leader (k-1) // fanout), so no single sender
+      carries every copy; in the publisher's own site the publisher is the tree's root.
+    """
     if method not in METHODS:
         raise ValueError(f"weight transfer method {method!r}: choose one of {', '.join(METHODS)}")
     if fanout < 1:
