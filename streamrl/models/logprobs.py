@@ -1,7 +1,7 @@
 """Per-token log-probabilities of a causal LM's targets: what the trainer's loss, the reference
 and the ranker's re-scoring all compute from logits, in one memory-bounded function.
 
-No model, no Ray: a pure torch function (its gradient is checked in tests/test_losses.py).
+No model, no Ray: a pure torch function (its gradient is checked in tests/trainer/test_losses.py).
 """
 
 from __future__ import annotations
