@@ -38,12 +38,12 @@ class Run:
 
     def setup(self) -> None:
         from streamrl.metrics.logger import MetricsLogger
-        from streamrl.models.tiny import load_policy
+        from streamrl.models.tiny import load_tokenizer
 
         cfg, out = self.cfg, self.out
         (out / "config.yaml").write_text(dump_config(cfg))
         ensure_policy(cfg, self.echo)
-        _, tokenizer = load_policy(cfg.policy.path)
+        tokenizer = load_tokenizer(cfg.policy.path)
         task = make_task(cfg)
         self.ctx = RunContext(cfg, task, tokenizer, self.reward)
         self.ctx.fault_log = str(out / "faults.jsonl")  # the SGS appends each fault as it happens

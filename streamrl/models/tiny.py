@@ -81,15 +81,28 @@ def save_policy(model, tokenizer, path: str | Path) -> None:
 
 def load_policy(path: str | Path, dtype=None):
     """Load ``(model, tokenizer)`` from a checkpoint directory (or a cached hub id), offline."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(_resolved(path), dtype=dtype or torch.float32)
+    return model, tokenizer
+
+
+def _resolved(path: str | Path) -> Path:
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-
     from streamrl.models.hf import resolve_policy_path
 
-    path = resolve_policy_path(path)
+    return resolve_policy_path(path)
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer alone (a process that never runs the model skips loading it)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = _resolved(path)
     if _generic_tokenizer(path):
         # A tokenizer saved as the generic class (the tiny policy's, or one trained with `tokenizers`):
         # its tokenizer.json is the whole truth. AutoTokenizer would build the model type's own class
@@ -99,8 +112,7 @@ def load_policy(path: str | Path, dtype=None):
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:  # many causal LMs ship without one; padding never reaches the loss
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    return model, tokenizer
+    return tokenizer
 
 
 def _generic_tokenizer(path: Path) -> bool:

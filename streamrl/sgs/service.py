@@ -167,33 +167,59 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
         return all(free.get(k, 0.0) + 1e-9 >= v for k, v in wants.items() if v)
 
     def add_instance(self) -> str:
-        """Start one instance (with the current weights) and return its name. One that dies while
-        starting counts as a fault and is started again, within ``generation.max_restarts``."""
+        """Start one instance (with the current weights) and return its name."""
+        return self.add_instances(1)[0]
+
+    def add_instances(self, n: int) -> list[str]:
+        """Start ``n`` instances at once (their processes load side by side), each installing the
+        current weights before it takes work; returns their names. One that dies while starting
+        counts as a fault and is started again, within ``generation.max_restarts``."""
         g = self.cfg.generation
-        while True:
+        base = self.counters["sgs/instances_added"]
+        starting = [self._launch(base + k, len(self.pool) + k) for k in range(n)]
+        names = []
+        while starting:
+            name, actor, index, seed_offset = starting.pop(0)
             try:
-                name = self._start_instance()
+                self._await_start(name, actor)
             except ray.exceptions.RayActorError as exc:
                 self._new_fault("(starting)", f"died while starting ({type(exc).__name__})", 0)
                 if not (g.restart and self.counters["sgs/restarts"] < g.max_restarts):
+                    self._kill_starting(starting)
                     raise GenerationFailed(f"a generation instance died while starting ({type(exc).__name__}) and "
                                            f"no restart is left (generation.max_restarts={g.max_restarts})") from None
                 self.counters["sgs/restarts"] += 1
                 log.warning("a generation instance died while starting; starting another")
+                starting.append(self._launch(index, seed_offset))  # the same bundle and seed as the one lost
                 continue
+            except (GenerationFailed, TrainerFailed):
+                self._kill_starting(starting)
+                raise
+            names.append(name)
             for record in self.faults:  # the starts that died before this one are recovered now
                 if record["instance"] == "(starting)" and record["replaced_at"] is None:
                     record["replacement"], record["replaced_at"] = name, time.time()
                     self._log_fault(record)
-            return name
+        return names
 
-    def _start_instance(self) -> str:
+    def _launch(self, index: int, seed_offset: int) -> tuple:
+        """Create the actor of the ``index``-th instance added (its Ray resources) without waiting."""
         g = self.cfg.generation
         name = next(self._names)
-        options = self.instance_options(self.counters["sgs/instances_added"])
-        actor = GenerationInstance.options(**options, **self.cfg.cluster.actor_options(), name=None).remote(
-            name, self.cfg, self.policy_path, g.threads_per_instance, self.cfg.run.seed + len(self.pool),
+        actor = GenerationInstance.options(**self.instance_options(index), **self.cfg.cluster.actor_options(),
+                                           name=None).remote(
+            name, self.cfg, self.policy_path, g.threads_per_instance, self.cfg.run.seed + seed_offset,
             hold_back=self.hold_back, engine_overrides=self.engine_overrides)
+        return name, actor, index, seed_offset
+
+    @staticmethod
+    def _kill_starting(starting: list) -> None:
+        for _, actor, _, _ in starting:
+            ray.kill(actor)
+
+    def _await_start(self, name: str, actor) -> None:
+        """Wait for a launched instance to load, then give it the current weights; it joins the pool."""
+        g = self.cfg.generation
         try:
             ray.get(actor.ready.remote(), timeout=g.replacement_timeout_s)
             location = ray.get(actor.location.remote(), timeout=g.replacement_timeout_s)
@@ -210,7 +236,6 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
                                 f"died): {type(exc).__name__}") from None
         self.pool[name] = Instance(actor, location)
         self.counters["sgs/instances_added"] += 1
-        return name
 
     def retire_instance(self, name: str) -> int:
         """Scale down by one, losing no work: ``name``'s unfinished requests are stopped there

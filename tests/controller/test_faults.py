@@ -69,8 +69,7 @@ def test_an_instance_killed_while_generating_loses_nothing_and_is_replaced(ray_s
     from streamrl.sgs.service import StreamGenerationService
 
     sgs = StreamGenerationService(_cfg(tiny_policy_dir))
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     sgs.update(_handle(tiny_policy_dir, 3), 3)
     requests = _requests(tiny_policy_dir, 12)
     try:
@@ -93,7 +92,7 @@ def test_an_idle_instance_that_died_does_not_break_the_next_weight_update(ray_se
 
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.restart=false"))
     try:
-        first, second = sgs.add_instance(), sgs.add_instance()
+        first, second = sgs.add_instances(2)
         os.kill(_pid(sgs, first), signal.SIGKILL)  # no work: only the update will meet it
         sgs.update(_handle(tiny_policy_dir, 1), 1)
         assert list(sgs.instances) == [second] and ray.get(sgs.instances[second].version.remote()) == 1
@@ -108,8 +107,7 @@ def test_a_frozen_instance_is_found_by_the_heartbeat_and_its_work_moves(ray_sess
     from streamrl.sgs.service import StreamGenerationService
 
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.heartbeat_timeout_s=3", "generation.restart=false"))
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     requests = _requests(tiny_policy_dir, 12)
     frozen = []
 
@@ -231,8 +229,7 @@ def test_retiring_an_instance_mid_generation_moves_its_work_with_prefixes_and_lo
     from streamrl.sgs.service import StreamGenerationService
 
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.max_new_tokens=64"), hold_back=True)
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     requests = _requests(tiny_policy_dir, 12)
     seen, moved = [], None
     try:
@@ -346,8 +343,7 @@ def test_an_engine_that_stops_stepping_while_its_actor_answers_is_replaced(ray_s
     from streamrl.sgs.service import StreamGenerationService
 
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.heartbeat_timeout_s=3"))
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     requests = _requests(tiny_policy_dir, 12)
     seen, stalled = [], []
     try:

@@ -108,8 +108,7 @@ def test_token_versions_survive_a_weight_update_and_a_migration_with_prefix(ray_
     from streamrl.sgs.service import StreamGenerationService
 
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.max_new_tokens=64"), hold_back=True)
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     sgs.update(_handle(tiny_policy_dir, 0), 0)
     requests = _requests(tiny_policy_dir, 12)
     done, moved = [], None

@@ -97,8 +97,7 @@ def test_every_request_is_returned_exactly_once_when_an_instance_is_removed(ray_
     # batch 2: an instance cannot finish its whole share before the driver's first poll returns
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.num_instances=2",
                                        "generation.max_requests_per_batch=2"))
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     requests = _requests(tiny_policy_dir, 12)
     seen, removed = [], 0
     try:
@@ -218,8 +217,7 @@ def _two_instances_eos_off(policy_dir, n_prompts, seed, tag, *overrides):
                "ranker.name=none", *overrides)
     requests = _requests_for(policy_dir, cfg, SyntheticTask(num_train=n_prompts, num_eval=1, seed=seed).train_prompts(), tag)
     sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     return sgs, requests
 
 
@@ -301,8 +299,7 @@ def test_skewness_aware_sgs_dispatches_and_orders_by_ranker_predictions(ray_sess
     prompts = make_task(cfg).train_prompts()[:8]
     sgs = StreamGenerationService(cfg)
     sgs.attach_prompts(prompts)
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     try:
         first = list(sgs.generate(_requests_for(tiny_policy_dir, cfg, prompts, "a")))
         cold = sgs.take_metrics()

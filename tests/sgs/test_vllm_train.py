@@ -96,8 +96,7 @@ def test_rebalancing_moves_running_vllm_requests_with_their_prefix(ray_three_cpu
     _, tok = load_policy(vllm_policy_dir)
     requests = RequestBuilder(tok, cfg).build(SyntheticTask(num_train=4, num_eval=1, seed=2).train_prompts(), 0, tag="mv")
     sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})
-    sgs.add_instance()
-    sgs.add_instance()
+    sgs.add_instances(2)
     sgs.dispatch = AllOnFirst()
     done, wanted = [], {r.request_id for r in requests}
     try:

@@ -173,8 +173,7 @@ def test_instances_take_deltas_after_the_first_version_and_a_replacement_gets_a_
     pub = WeightPublisher("bfloat16", delta=True)
     sgs = StreamGenerationService(cfg)
     try:
-        sgs.add_instance()
-        sgs.add_instance()
+        sgs.add_instances(2)
         kinds = []
         for v in range(3):
             if v:

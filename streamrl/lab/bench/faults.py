@@ -218,10 +218,10 @@ def scheduled_ids(cfg: Config) -> dict[tuple[int, str], int]:
     from streamrl.controller.common import PromptStream
     from streamrl.controller.setup import RunContext
     from streamrl.controller.prompts import usable_prompts
-    from streamrl.models.tiny import load_policy
+    from streamrl.models.tiny import load_tokenizer
     from streamrl.tasks.factory import make_task
 
-    _, tok = load_policy(cfg.policy.path)
+    tok = load_tokenizer(cfg.policy.path)
     task = make_task(cfg)
     train, _, _ = usable_prompts(cfg, task, RunContext(cfg, task, tok).builder)
     stream = PromptStream(train, seed=cfg.run.seed, shuffle=not getattr(task, "ordered", False))

@@ -78,10 +78,10 @@ def run_mode(cfg: Config, warmup: int, iterations: int, out_dir: Path, name: str
     from streamrl.tasks.factory import make_task
     from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.metrics.timeline import gantt
-    from streamrl.models.tiny import load_policy
+    from streamrl.models.tiny import load_tokenizer
 
     task = make_task(cfg)
-    _, tok = load_policy(cfg.policy.path)
+    tok = load_tokenizer(cfg.policy.path)
     ctx = RunContext(cfg, task, tok)
     pipe = make_pipeline(cfg, ctx)
     stream = PromptStream(task.train_prompts(), seed=cfg.run.seed)

@@ -135,17 +135,16 @@ def _run(sgs, requests, predicted) -> dict:
 def _record_history(cfg: Config, history_policy: str, builder, batch_prompts, instances: int, tok, echo) -> dict[str, int]:
     """Greedy lengths of an earlier checkpoint on the batch prompts (what a ranker remembers from the
     epoch before), from its own instances, which are shut down before the bench's start."""
-    from streamrl.models.tiny import load_policy
+    from streamrl.models.tiny import load_tokenizer
     from streamrl.sgs.service import StreamGenerationService
 
-    _, hist_tok = load_policy(history_policy)
+    hist_tok = load_tokenizer(history_policy)
     if hist_tok.get_vocab() != tok.get_vocab():
         raise ValueError(f"history_policy={history_policy!r} has another tokenizer than policy.path={cfg.policy.path!r}")
     echo(f"scheduling: history run ({len(batch_prompts)} batch prompts, greedy) with {history_policy}")
     sgs = StreamGenerationService(cfg, policy_path=history_policy, ranker=None, engine_overrides={"temperature": 0.0})
     try:
-        for _ in range(instances):
-            sgs.add_instance()
+        sgs.add_instances(instances)
         done = list(sgs.generate(builder.build(batch_prompts, 0, tag="history-")))
     finally:
         sgs.shutdown()
@@ -176,7 +175,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     from streamrl.controller.common import RequestBuilder
     from streamrl.tasks.factory import make_task
     from streamrl.controller.setup import ensure_policy, init_ray
-    from streamrl.models.tiny import load_policy
+    from streamrl.models.tiny import load_tokenizer
     from streamrl.scheduling.latency import latency_to_dict, load_profile
     from streamrl.sgs.service import StreamGenerationService
 
@@ -190,7 +189,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     pool = list(task.train_prompts())
     batch_sets, other_prompts = _split_pool(pool, cfg.run.seed, prompts, batches, ranker_prompts)
     all_batch_prompts = [p for ps in batch_sets for p in ps]
-    _, tok = load_policy(cfg.policy.path)
+    tok = load_tokenizer(cfg.policy.path)
     builder = RequestBuilder(tok, cfg)
     prompt_len = float(np.mean([len(r.prompt_ids) for r in builder.build(batch_sets[0][:64], 0)]))
     latency = load_profile(profile) if profile else _measure_latency(cfg, batch, round(prompt_len), echo)
@@ -202,8 +201,7 @@ def bench_scheduling(cfg: Config, prompts: int = 128, instances: int = 2, batch:
     sgs.latency = latency  # rebalancing's model: the PTL measured (or read) above
     per_batch, batch_lengths, ranker_scores = [], {}, {}
     try:
-        for _ in range(instances):
-            sgs.add_instance()
+        sgs.add_instances(instances)
         list(sgs.generate(builder.build(other_prompts[: 2 * batch * instances], 0, tag="warmup-")))
         echo(f"scheduling: ranker data ({ranker_prompts} other prompts, greedy), then {batches} batch(es) of "
              f"{prompts} prompts")
