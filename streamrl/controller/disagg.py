@@ -54,16 +54,21 @@ class DisaggPipeline(Pipeline):
         self.trainer = TrainerActor.options(num_cpus=trainer_cpus, resources=labels,
                                             **cfg.cluster.actor_options()).remote(
             cfg, cfg.trainer.threads, self.max_staleness, policy)
-        started = self.trainer.node_id.remote()  # answered once the trainer has loaded; the instances load meanwhile
+        # The first answer waits for the actor's start (imports, loading the policy), which is not a
+        # step: it gets at least TRAINER_START_TIMEOUT_S, whatever run.trainer_timeout_s says.
+        limit = self.cfg.run.trainer_timeout_s
+        started = self.trainer.node_id.remote()
+        wait_start = lambda: trainer_get(started, "node_id (its start)",  # noqa: E731
+                                         None if limit is None else max(limit, TRAINER_START_TIMEOUT_S))
+        # FSDP ranks reserve their placement group first (instances could otherwise take its CPUs);
+        # a single trainer loads while the instances load.
+        node = wait_start() if cfg.trainer.backend == "fsdp" else None
         self.sgs = StreamGenerationService(cfg, policy_path=policy, dispatch=cfg.generation.dispatch, plan=plan,
                                            fault_log=getattr(ctx, "fault_log", None))
         self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
         self.sgs.add_instances(cfg.generation.num_instances)
+        node = node if node is not None else wait_start()
         # A trainer on another node than the driver returns its checkpoints as files (models.shipping).
-        # The first answer also waits for the actor's start (imports, loading the policy), which is
-        # not a step: it gets at least TRAINER_START_TIMEOUT_S, whatever run.trainer_timeout_s says.
-        limit = self.cfg.run.trainer_timeout_s
-        node = trainer_get(started, "node_id (its start)", None if limit is None else max(limit, TRAINER_START_TIMEOUT_S))
         self._ship = node != ray.get_runtime_context().get_node_id()
         self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), 0)
         self.strategy = (LookAhead(self) if self.partial else Streaming(self) if self.mode.streaming
