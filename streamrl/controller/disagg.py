@@ -62,15 +62,22 @@ class DisaggPipeline(Pipeline):
                                          None if limit is None else max(limit, TRAINER_START_TIMEOUT_S))
         # FSDP ranks reserve their placement group first (instances could otherwise take its CPUs);
         # a single trainer loads while the instances load.
-        node = wait_start() if cfg.trainer.backend == "fsdp" else None
-        self.sgs = StreamGenerationService(cfg, policy_path=policy, dispatch=cfg.generation.dispatch, plan=plan,
-                                           fault_log=getattr(ctx, "fault_log", None))
-        self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
-        self.sgs.add_instances(cfg.generation.num_instances)
-        node = node if node is not None else wait_start()
+        self.sgs = None
+        try:
+            node = wait_start() if cfg.trainer.backend == "fsdp" else None
+            self.sgs = StreamGenerationService(cfg, policy_path=policy, dispatch=cfg.generation.dispatch, plan=plan,
+                                               fault_log=getattr(ctx, "fault_log", None))
+            self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
+            self.sgs.add_instances(cfg.generation.num_instances)
+            node = node if node is not None else wait_start()
+            self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), 0)
+        except BaseException:  # a half-built pipeline stops what it started (no actor is left to the GC)
+            if self.sgs is not None:
+                self.sgs.shutdown()
+            ray.kill(self.trainer)
+            raise
         # A trainer on another node than the driver returns its checkpoints as files (models.shipping).
         self._ship = node != ray.get_runtime_context().get_node_id()
-        self.sgs.update(self._tget(self.trainer.publish.remote(), "publish"), 0)
         self.strategy = (LookAhead(self) if self.partial else Streaming(self) if self.mode.streaming
                          else WholeBatch(self))
         self.pending: dict[int, ray.ObjectRef] = {}

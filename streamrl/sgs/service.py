@@ -33,7 +33,7 @@ from streamrl.scheduling.order import make_order_policy
 from streamrl.scheduling.rebalance import has_free_slots
 from streamrl.sgs.faults import FaultTolerance
 from streamrl.sgs.instance import GenerationInstance
-from streamrl.sgs.ledger import RESUME_PRIORITY, Ledger  # noqa: F401 - RESUME_PRIORITY is part of this API
+from streamrl.sgs.ledger import Ledger
 from streamrl.sgs.rebalancing import Rebalancing
 from streamrl.types import Completion, Event, GenRequest, Progress
 from streamrl.weights.engine import tree_calls
@@ -483,7 +483,7 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
         lengths = {c.request_id: len(c.output_ids) for c in done}
         ids = [r.request_id for r in requests]
         actual = [float(lengths[i]) for i in ids]
-        self.ledger.end_batch(ids, [c.request_id for c in done])  # ids are remembered for 4 batches
+        self.ledger.end_batch(ids, [c.request_id for c in done])  # the last few batches' ids stay known
         if self.ranker is not None or given:
             self._metrics.update(batch_rank_metrics([predicted[i] for i in ids], actual))
             # Per prompt too (GRPO's dispatch unit): truth is the group's mean length.
