@@ -22,8 +22,12 @@ ROOT = Path(__file__).parents[2]
 
 
 HOLD_AFTER_STEP_3 = """
-import sys, time
+import signal, sys, time
 from streamrl.metrics import logger
+
+# Ctrl-C as at a terminal: a shell that starts jobs in the background without job control gives
+# them SIGINT ignored, and Python then keeps it ignored (the run would never see the interrupt).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 log = logger.MetricsLogger.log
 
