@@ -86,9 +86,10 @@ class Rebalancing:
                 self.ledger.sent(req, dst)
         self._gather({dst: self.pool[dst].actor.submit.remote(reqs) for dst, reqs in per_dst.items()}, "submit")
         self._redispatch(lost_dst)  # a destination failed over meanwhile: these go through dispatch instead
-        self.counters["sgs/rebalanced"] += sum(len(reqs) for reqs in per_dst.values())
+        moved = sum(len(reqs) for reqs in per_dst.values())
+        self.counters["sgs/rebalanced"] += moved
         self.counters["sgs/rebalance_rounds"] += 1
-        return sum(len(reqs) for reqs in per_dst.values())
+        return moved
 
     def _continuation(self, part: Partial) -> GenRequest:
         """The request to send on for a preempted ``part`` (the ledger keeps its prefix)."""
