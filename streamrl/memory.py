@@ -1,4 +1,4 @@
-"""Give freed heap memory back to the operating system, once per iteration.
+"""Give freed heap memory back to the operating system, once per iteration; read a process's peak.
 
 Why: the trainer and the generation instances allocate tensors of a different shape every
 iteration (batches of varying length). glibc's malloc keeps freed chunks inside its arenas and
@@ -30,3 +30,18 @@ def release_free_memory() -> bool:
     """``malloc_trim(0)``; True when glibc released something."""
     lib = _libc()
     return bool(lib.malloc_trim(0)) if lib is not None else False
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (``VmHWM``; ``ru_maxrss`` where /proc is absent):
+    what every run's summary reports per process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,8 +1,9 @@
-"""`streamrl make-policy [CONFIG] [overrides]`: build the tiny policy (no hub download)."""
+"""`streamrl make-policy [CONFIG] [overrides]`: build the tiny policy, or a model recipe's checkpoint
+from its installed package (``models.recipes``); nothing is downloaded."""
 
 
 def register(sub) -> None:
-    p = sub.add_parser("make-policy", help="train a tokenizer, build a tiny Qwen2 and warm-start it by SFT")
+    p = sub.add_parser("make-policy", help="build policy.path: the tiny Qwen2 (tokenizer, SFT warm start) or a model recipe (smollm2-*)")
     p.add_argument("config", nargs="?", default=None)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--force", action="store_true", help="rebuild even if policy.path already holds a checkpoint")

@@ -96,7 +96,9 @@ def dry_run(cfg) -> dict[str, Any]:
     try:
         policy, present = resolve_policy_path(policy), True
     except PolicyNotFound:  # the tiny policy is built at its cache path on the first real run
-        present = cfg.policy.make_if_missing and is_tiny_policy_path(policy)
+        from streamrl.models.recipes import recipe_for
+
+        present = cfg.policy.make_if_missing and (is_tiny_policy_path(policy) or recipe_for(policy) is not None)
     report: dict[str, Any] = {
         "mode": cfg.mode, "engine": cfg.generation.engine, "device": cfg.placement.device,
         "policy": str(policy), "policy_present": bool(present),
@@ -105,7 +107,7 @@ def dry_run(cfg) -> dict[str, Any]:
         "plan": [{"role": b.role, "node": b.node, "gpus": list(b.gpus), "resources": b.resources}
                  for b in plan.trainer + plan.generation],
     }
-    if cfg.task.name != "synthetic":
+    if cfg.task.name not in ("synthetic", "arithmetic"):  # the generated tasks read no file
         from streamrl.tasks.math import DataError, resolve_data_path
 
         try:

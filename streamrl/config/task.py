@@ -18,12 +18,13 @@ from streamrl.config.base import _Section
 class TaskConfig(_Section):
     """Where prompts come from and how a response is scored.
 
-    ``synthetic`` is generated here; ``file`` reads your data (jsonl, parquet, csv, or a local
+    ``synthetic`` and ``arithmetic`` are generated here; ``file`` reads your data (jsonl, parquet, csv, or a local
     ``datasets`` directory); ``gsm8k`` and ``math500`` are presets of ``file`` (their keys,
     template and extractor filled in, their files looked up in the data directory)."""
 
-    name: Literal["synthetic", "file", "gsm8k", "math500"] = "synthetic"
-    """synthetic | file (your data) | gsm8k | math500 (presets of file)"""
+    name: Literal["synthetic", "arithmetic", "file", "gsm8k", "math500"] = "synthetic"
+    """synthetic | arithmetic (generated integer expressions, for chat models) | file (your data) | gsm8k | math500
+    (presets of file)"""
     train_path: str | None = None
     """training data: .jsonl, .parquet, .csv or a `datasets` save_to_disk directory; presets default to their file in
     the data directory"""
@@ -66,6 +67,10 @@ class TaskConfig(_Section):
     """longer prompts are rejected with a counted error"""
     partial_credit: float = Field(0.0, ge=0, lt=1)
     """synthetic task: credit for a correct chain prefix (exact solutions score 1.0, accuracy counts only those)"""
+    max_operand: int = Field(50, ge=2)
+    """arithmetic task: operands are drawn from 1..max_operand (a product's right factor from 2..9)"""
+    max_terms: int = Field(2, ge=2, le=6)
+    """arithmetic task: each expression has 2..max_terms operands"""
     length_ramp: bool = False
     """synthetic task: training prompts in order of solution length, shortest first, every epoch (no shuffle):
     response lengths grow through each epoch (the elastic workload)"""

@@ -21,6 +21,9 @@ class TrainerConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(4096, ge=16)
     """token budget of one micro-batch"""
+    activation_checkpointing: bool = False
+    """keep only each transformer block's input and recompute the rest in backward (about a third more
+    compute, a fraction of the activation memory; the single trainer)"""
     step_tokens: int = Field(0, ge=0)
     """dynamic batch: an optimizer step fires once finished groups (in completion order) hold this many tokens; 0 =
     one step per iteration"""

@@ -73,6 +73,11 @@ class ColocatedWorker:
 
             shutil.copytree(f"{path}/policy", keep_as, dirs_exist_ok=True)
 
+    def peak_memory_mb(self) -> float:
+        from streamrl.memory import peak_rss_mb
+
+        return peak_rss_mb()
+
     def get_lineage(self) -> list[str]:
         return list(self.lineage)
 
@@ -131,6 +136,9 @@ class ColocatedPipeline(Pipeline):
 
     def lineage(self) -> list[str]:
         return self._tget(self.worker.get_lineage.remote(), "lineage")
+
+    def peak_memory(self) -> dict[str, float]:
+        return {"colocated-0": self._tget(self.worker.peak_memory_mb.remote(), "peak_memory_mb")}
 
     def can_checkpoint_at(self, iteration: int) -> bool:
         # The worker runs one call at a time: this answers after an interrupted train call ends.

@@ -97,6 +97,10 @@ class Pipeline:
         for it where the mode allows (``save`` by default)."""
         self.save(path, extra, keep_as)
 
+    def peak_memory(self) -> dict[str, float]:
+        """Peak resident memory (MB) of each process the pipeline runs, by role."""
+        raise NotImplementedError
+
     def lineage(self) -> list[str]:
         """Every request id the current weights were trained on (restored across resumes)."""
         raise NotImplementedError

@@ -135,7 +135,7 @@ class Run:
                    "rewards": rewards, "reward_trend": reward_trend(rewards),
                    "trained_samples": len(lineage), "trained_samples_unique": len(set(lineage)),
                    "oversized_prompts": self.data_metrics["data/oversized"], "final_policy": str(final),
-                   "pipeline": pipe_stats}
+                   "pipeline": pipe_stats, "peak_memory_mb": self._peak_memory()}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         pipeline.shutdown()
         if self.sample_log is not None:
@@ -144,6 +144,14 @@ class Run:
         self.logger.close()
         self.echo(f"trained policy: {final} (a Hugging Face checkpoint: AutoModelForCausalLM.from_pretrained loads it)")
         return summary
+
+    def _peak_memory(self) -> dict[str, float]:
+        """Each process's peak resident memory, driver included, echoed as one line."""
+        from streamrl.memory import peak_rss_mb
+
+        peaks = {**self.pipeline.peak_memory(), "driver": peak_rss_mb()}
+        self.echo("peak memory: " + ", ".join(f"{name} {mb / 1024:.2f} GB" for name, mb in peaks.items()))
+        return peaks
 
     def _pictures(self, rl_seconds: float) -> dict[str, Any]:
         """timeline.json, the Gantt chart and the overlap statistics (empty without events)."""

@@ -41,18 +41,25 @@ def ray_resources() -> dict[str, float]:
 
 
 def ensure_policy(cfg: Config, echo=print) -> None:
-    """Build the tiny policy (tokenizer, model, SFT warm start) at its cache path if it is not on
-    disk yet, or if the one there was built for an older version of the synthetic task (its
-    ``streamrl_policy.json`` says so). Any other path must hold a checkpoint (or be a cached hub
-    id): a mistyped path fails here, naming it, instead of training a tiny model there."""
+    """Build the tiny policy (tokenizer, model, SFT warm start) or a model recipe's checkpoint
+    (``models.recipes``) at its cache path if it is not on disk yet, or the tiny policy again if
+    the one there was built for an older synthetic task (its ``streamrl_policy.json`` says so).
+    Any other path must hold a checkpoint (or be a cached hub id): a mistyped path fails here,
+    naming it, instead of training a tiny model there."""
     from streamrl.models.hf import is_tiny_policy_path, resolve_policy_path
     from streamrl.models.sft import POLICY_MARKER, policy_is_stale
 
+    from streamrl.models import recipes
+
     path = Path(cfg.policy.path)
+    recipe = recipes.recipe_for(path)
     if (path / "config.json").is_file():
         if not policy_is_stale(path):
             return
         echo(f"the policy at {path} was built for an older synthetic task ({POLICY_MARKER}); rebuilding it")
+    elif cfg.policy.make_if_missing and recipe is not None:
+        recipes.build(recipe, path, seed=cfg.run.seed, echo=echo)
+        return
     elif not (cfg.policy.make_if_missing and is_tiny_policy_path(path)):
         resolve_policy_path(path)  # a hub id in the local cache passes; anything else raises naming the path
         return

@@ -51,7 +51,8 @@ def resolve_policy_path(path: str | Path) -> Path:
     if p.is_dir():
         raise PolicyNotFound(f"policy.path={text!r} is a directory without config.json (not a Hugging Face "
                              "checkpoint)")
-    hint = " (the tiny policy is built by `streamrl make-policy` at a path named tiny-policy*)" if is_tiny_policy_path(p) else ""
+    hint = (" (`streamrl make-policy` builds the tiny policy at a path named tiny-policy*, and a model recipe "
+            "at a path named after it, e.g. smollm2-135m-instruct)") if is_tiny_policy_path(p) else ""
     raise PolicyNotFound(f"policy.path={text!r} does not exist{hint}")
 
 

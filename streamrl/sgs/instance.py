@@ -214,6 +214,11 @@ class GenerationInstance:
     def version(self) -> int:
         return self.engine.version
 
+    def peak_memory_mb(self) -> float:
+        from streamrl.memory import peak_rss_mb
+
+        return peak_rss_mb()
+
     def cpu_seconds(self) -> float:
         """CPU time this process has used (all threads): busy time that other processes cannot inflate."""
         return time.process_time()

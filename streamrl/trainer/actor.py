@@ -234,6 +234,12 @@ class IterationTrainer:
         self._drained = len(self.lineage)
         return extra
 
+    def peak_memory_mb(self) -> float:
+        """Peak resident memory of this process (FSDP2 ranks are not included: they are their own)."""
+        from streamrl.memory import peak_rss_mb
+
+        return peak_rss_mb()
+
     def node_id(self) -> str:
         import ray
 

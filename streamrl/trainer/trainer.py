@@ -26,7 +26,7 @@ from torch import nn
 
 from streamrl.config import Config
 from streamrl.models.tiny import load_policy
-from streamrl.models.logprobs import token_logprobs
+from streamrl.models.logprobs import model_logprobs
 from streamrl.trainer import losses
 from streamrl.types import Sample
 
@@ -186,6 +186,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.model, self.tokenizer = load_policy(policy_path or cfg.policy.path)
         self.model.train()
+        if self.tcfg.activation_checkpointing:  # recompute each block's activations in backward
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = self.tokenizer.pad_token_id
         self.temperature = cfg.generation.temperature
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
@@ -231,8 +233,7 @@ class Trainer:
     def _prepare_forward(self, items: list[Prepared]) -> None:
         ids, attn, mask = _pad(items, self.pad_id)
         if self.ref is not None:
-            logits = self.ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            ref_lp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+            ref_lp, _ = model_logprobs(self.ref, ids, attn, self.temperature)
             for i, p in enumerate(items):
                 p.ref_logprobs = ref_lp[i, p.resp_start - 1: p.num_tokens - 1].tolist()
         if self.critic is not None:
@@ -279,11 +280,10 @@ class Trainer:
     def _micro_step(self, mb: list[Prepared], total_tokens: float) -> dict[str, float]:
         ids, attn, mask = _pad(mb, self.pad_id)
         width = ids.shape[1]
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
+        logp, entropy = model_logprobs(self.model, ids, attn, self.temperature)
         loss, m = policy_objective(self.tcfg, mb, logp, mask, total_tokens)
         metrics = {f"train/{k}": v for k, v in m.items()}
-        metrics["train/entropy"] = losses.masked_entropy(logits, mask, self.temperature)
+        metrics["train/entropy"] = float(losses.masked_mean(entropy.detach(), mask))
         if self.ref is not None and self.tcfg.algo == "grpo":
             ref = _per_token(mb, "ref_logprobs", width)
             kl = losses.kl_penalty(logp, ref, mask, kind="k3")

@@ -33,6 +33,7 @@ def test_colocated_run_logs_metrics_checkpoints_and_resumes(ray_session, tiny_po
     assert list((out / "tensorboard").iterdir())
     assert (out / "checkpoint" / "trainer.pt").is_file() and (out / "checkpoint" / "policy" / "config.json").is_file()
     assert "eval/accuracy" in summary["before"] and "eval/accuracy" in summary["after"]
+    assert set(summary["peak_memory_mb"]) == {"colocated-0", "driver"}
 
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 4 * 2  # iterations x prompts x samples: every trained sample, once

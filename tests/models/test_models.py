@@ -37,7 +37,7 @@ def test_missing_policy_dir_fails_clearly(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=r"policy.path=.*nope' does not exist$"):
         load_policy(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="built by `streamrl make-policy`"):
+    with pytest.raises(FileNotFoundError, match="`streamrl make-policy` builds the tiny policy"):
         load_policy(tmp_path / "tiny-policy-x")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="directory without config.json"):
@@ -66,3 +66,29 @@ def test_reward_trend_summarises_a_noisy_rising_curve():
     assert t["first_third_mean"] == pytest.approx(1.0 / 3) and t["last_third_mean"] == pytest.approx(2.0 / 3)
     assert t["slope_per_iter"] > 0
     assert reward_trend([0.5, 0.4]) == {}
+
+
+def test_model_logprobs_through_the_chunked_head_equal_the_full_logits_path():
+    """The trainer's path (last hidden states -> chunked head) scores a padded batch exactly as
+    log_softmax over the model's own logits does, gradients included."""
+    from streamrl.models.logprobs import model_logprobs, plain_head, token_logprobs
+
+    torch.manual_seed(0)
+    model = build_model(PolicyConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64),
+                        vocab_size=40).double()
+    assert plain_head(model) is not None
+    ids = torch.randint(0, 40, (3, 9))
+    attn = torch.ones_like(ids)
+    attn[1, 6:] = 0  # right padding, as the trainer pads
+    logp, ent = model_logprobs(model, ids, attn, temperature=0.8)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    ref = token_logprobs(logits, ids[:, 1:], temperature=0.8)
+    torch.testing.assert_close(logp, ref.double(), atol=1e-5, rtol=0)  # token_logprobs works in float32
+    lp = torch.log_softmax(logits / 0.8, -1)
+    torch.testing.assert_close(ent, -(lp.exp() * lp).sum(-1), atol=1e-9, rtol=0)
+    params = [p for p in model.parameters()]
+    ours = torch.autograd.grad(logp.sum(), params, allow_unused=True)
+    theirs = torch.autograd.grad(token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:],
+                                                temperature=0.8).sum(), params, allow_unused=True)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from streamrl.models.logprobs import token_logprobs
+from streamrl.models.logprobs import head_logprobs, token_logprobs
 from streamrl.trainer.losses import (
     decoupled_policy_loss,
     tis_policy_loss,
@@ -312,3 +312,30 @@ def test_truncated_is_weights_the_policy_gradient_per_token():
     assert lp.grad[0].tolist() == pytest.approx([-3.0, -0.5])
     assert m["clip_frac"] == pytest.approx(0.5) and m["is_weight_max"] == pytest.approx(5.0)
     assert m["is_weight_std"] == pytest.approx(2.25)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_head_logprobs_and_entropy_match_the_full_logits_with_gradients(with_bias):
+    """The chunked head never builds [N, V] logits, yet gives the same log-probs, entropies and
+    gradients (to the hidden states, the head's weight and bias) as log_softmax over full logits."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(11, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, 11, (2, 5))
+    # 3 rows per chunk: several chunks and a ragged tail
+    logp, ent = head_logprobs(hidden, weight, targets, 0.7, bias=bias, chunk_elements=33)
+    logits = (hidden @ weight.t() + (bias if with_bias else 0.0)) / 0.7
+    ref_all = torch.log_softmax(logits, -1)
+    ref_logp = ref_all.gather(-1, targets[..., None]).squeeze(-1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-10, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-10, rtol=0)
+    w1, w2 = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+    ours = torch.autograd.grad((logp * w1 + ent * w2).sum(), inputs)
+    ref = torch.autograd.grad((ref_logp * w1 + ref_ent * w2).sum(), inputs)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="out of range"):
+        head_logprobs(hidden, weight, torch.full((2, 5), 11))
