@@ -35,6 +35,12 @@ class Checkpoints:
             keep = str(self.out / "checkpoints" / f"iter-{it + 1}") if self.keep else None
             self.pipeline.checkpoint(str(self.path), self._extra(it, stream_state), keep_as=keep)
 
+    def kept(self) -> str:
+        """What a run stopped at once leaves behind, for the one-line message."""
+        if (self.path / "trainer.pt").is_file():
+            return f"stopped at once; the last checkpoint written is kept in {self.path}; continue with run.resume=true"
+        return "stopped at once; no checkpoint had been written"
+
     def final(self, last_iteration: int, stream_state: dict) -> None:
         self.pipeline.save(str(self.path), self._extra(last_iteration, stream_state))
 

@@ -2,9 +2,10 @@
 before), ``loop`` (prompts -> ``pipeline.step`` -> log, evaluate, checkpoint) and ``finish``
 (last training steps, pictures, evaluation after, final checkpoint, export, summary).
 
-The mode only changes ``pipeline``. Ctrl-C or a generation failure inside the loop stops the run
-after a checkpoint where one is exact (``Checkpoints.after_interrupt``); every actor and file is
-closed on any failure, and the failure is what is reported.
+The mode only changes ``pipeline``. Ctrl-C stops the run after the current step with a checkpoint,
+a second Ctrl-C at once (``controller/interrupts.py``); a generation failure stops it after a
+checkpoint where one is exact (``Checkpoints.after_interrupt``). Every actor and file is closed on
+any failure, and the failure is what is reported.
 """
 
 from __future__ import annotations
@@ -77,27 +78,36 @@ class Run:
 
     def loop(self) -> float:
         """Every iteration from ``start``; returns the loop's seconds."""
+        from streamrl.controller.interrupts import GracefulStop
         from streamrl.errors import GenerationFailed, RunInterrupted
 
         cfg, t_run = self.cfg, time.time()
         done_it, done_stream = self.start - 1, self.stream.state()  # the last iteration whose step returned
         try:
-            for it in range(self.start, cfg.run.iterations):
-                prompts = self.stream.next_batch(cfg.generation.prompts_per_iter)
-                self.ctx.scorer.register(prompts)
-                upcoming = self.stream.upcoming(cfg.generation.prompts_per_iter,
-                                                min(self.pipeline.lookahead, cfg.run.iterations - it - 1))
-                samples, metrics = self.pipeline.step(it, prompts, upcoming)
-                done_it, done_stream = it, self.stream.state()
-                metrics.update(system_metrics())
-                self._after_iteration(it, samples, metrics)
-        except (KeyboardInterrupt, GenerationFailed) as exc:  # the trainer is alive: keep what it trained, where exact
+            with GracefulStop(self.echo) as stop:
+                for it in range(self.start, cfg.run.iterations):
+                    if stop.requested:  # the trainer ends what it was given, then done_it is saved if exact
+                        message = self.checkpoints.after_interrupt(done_it, self.start, done_stream)
+                        self.close_quietly()
+                        raise RunInterrupted(message)
+                    prompts = self.stream.next_batch(cfg.generation.prompts_per_iter)
+                    self.ctx.scorer.register(prompts)
+                    upcoming = self.stream.upcoming(cfg.generation.prompts_per_iter,
+                                                    min(self.pipeline.lookahead, cfg.run.iterations - it - 1))
+                    samples, metrics = self.pipeline.step(it, prompts, upcoming)
+                    done_it, done_stream = it, self.stream.state()
+                    metrics.update(system_metrics())
+                    self._after_iteration(it, samples, metrics)
+        except RunInterrupted:
+            raise
+        except KeyboardInterrupt:  # a second Ctrl-C (or one outside the graceful handler): stop now, save nothing
+            self.close_quietly()
+            raise RunInterrupted(self.checkpoints.kept()) from None
+        except GenerationFailed as exc:  # the trainer is alive: keep what it trained, where exact
             try:
                 message = self.checkpoints.after_interrupt(done_it, self.start, done_stream)
             finally:
                 self.close_quietly()
-            if isinstance(exc, KeyboardInterrupt):
-                raise RunInterrupted(message) from None
             raise GenerationFailed(f"{exc}; {message}") from None
         except BaseException:
             self.close_quietly()
