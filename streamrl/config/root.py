@@ -85,6 +85,9 @@ class Config(_Section):
             if t.kl_coef > 0:
                 raise ValueError(f"trainer.backend='fsdp' has no reference model: trainer.kl_coef={t.kl_coef} is "
                                  "not supported (set it to 0)")
+            if t.entropy_coef > 0:
+                raise ValueError(f"trainer.backend='fsdp' has no entropy bonus: trainer.entropy_coef={t.entropy_coef} "
+                                 "is not supported (set it to 0)")
         return self
 
 

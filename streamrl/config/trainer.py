@@ -4,20 +4,57 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from streamrl.config.base import _Section
 
+DAPO = {"clip_eps": 0.2, "clip_eps_high": 0.28, "loss_agg": "token-mean", "kl_coef": 0.0, "overlong": "penalty",
+        "dynamic_sampling": True}
+"""What ``trainer.preset: dapo`` sets (DAPO, Yu et al. 2025), field by field, where the config does not."""
+
 
 class TrainerConfig(_Section):
+    preset: Literal["none", "dapo"] = "none"
+    """dapo = clip-higher 0.2/0.28, token-mean loss, no KL, overlong penalty, dynamic sampling; fields set
+    explicitly win"""
     algo: Literal["grpo", "ppo"] = "grpo"
     """grpo (group-relative advantages) | ppo (with a critic)"""
     lr: float = Field(1e-4, gt=0)
     """policy learning rate"""
     weight_decay: float = Field(0.0, ge=0)
     clip_eps: float = Field(0.2, gt=0)
+    """PPO clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]"""
+    clip_eps_high: float | None = Field(None, gt=0)
+    """upper clip (DAPO's clip-higher, e.g. 0.28); None = clip_eps"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """how per-token losses become the policy loss: token-mean (every token of the step weighs the same) |
+    seq-mean-token-mean (each response's mean, averaged) | seq-mean-token-sum (each response's sum, averaged)"""
     kl_coef: float = Field(0.0, ge=0)
     """KL to the frozen reference; 0 disables the reference"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """GRPO's KL-in-loss estimator (Schulman's k1 / k2 / k3); PPO puts k1 in the reward"""
+    entropy_coef: float = Field(0.0, ge=0)
+    """entropy bonus: the loss subtracts this times the token-mean entropy of the sampling distribution"""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """optimizer steps of linear learning-rate warmup from 0"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warmup: constant, or cosine decay to lr * lr_min_ratio at lr_decay_steps"""
+    lr_decay_steps: int = Field(0, ge=0)
+    """cosine: optimizer steps from the start to the end of the decay; 0 = run.iterations x epochs (one step per
+    iteration)"""
+    lr_min_ratio: float = Field(0.0, ge=0, le=1)
+    """cosine: the final learning rate as a fraction of lr"""
+    overlong: Literal["none", "filter", "penalty"] = "none"
+    """responses cut at generation.max_new_tokens: none (trained as they are) | filter (no loss on them; they still
+    count in their group's advantages) | penalty (DAPO's soft penalty over the last overlong_buffer tokens)"""
+    overlong_buffer: int = Field(0, ge=0)
+    """penalty: a response longer than max_new_tokens - overlong_buffer loses reward linearly, down to
+    -overlong_penalty at max_new_tokens"""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """penalty: the largest reward subtracted"""
+    dynamic_sampling: bool = False
+    """GRPO: a group whose rewards are all equal (no advantage, no gradient) is not trained on; the trainer counts
+    them (train/zero_signal_groups) and the step's loss is over the groups that carry signal"""
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(4096, ge=16)
     """token budget of one micro-batch"""
@@ -58,3 +95,10 @@ class TrainerConfig(_Section):
     lam: float = Field(0.95, ge=0, le=1)
     """PPO GAE lambda"""
 
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data):
+        if isinstance(data, dict) and data.get("preset") == "dapo":
+            data = {**DAPO, **data}
+        return data

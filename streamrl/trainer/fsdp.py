@@ -26,8 +26,9 @@ import torch.distributed as dist
 from streamrl.config import Config
 from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer import losses
-from streamrl.trainer.trainer import (Prepared, _pad, micro_batches, policy_objective, set_group_advantages,
-                                      to_prepared)
+from streamrl.trainer.schedule import lr_at, set_lr
+from streamrl.trainer.trainer import (Prepared, _pad, micro_batches, policy_objective, prepare_samples,
+                                      set_group_advantages, step_denominators)
 from streamrl.types import Sample
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -126,7 +127,7 @@ class FSDPRank:
         self._device = next(self.model.parameters()).device
         return backend
 
-    def train_step(self, items: list[Prepared]) -> dict[str, float]:
+    def train_step(self, items: list[Prepared], step: int = 0) -> dict[str, float]:
         """This rank's share of one optimizer step over all of ``items``; every rank calls it
         with the same list::
 
@@ -142,21 +143,23 @@ class FSDPRank:
         mine = shard_items(items, self.world_size)
         per_rank_mbs = [micro_batches(share, self.tcfg.micro_batch_tokens) if share else [] for share in mine]
         n_micro = max(len(m) for m in per_rank_mbs)
-        denom = float(sum(p.num_response_tokens for p in items)) / self.world_size
+        tokens, seqs = step_denominators(items)
+        denom, seq_denom = tokens / self.world_size, seqs / self.world_size
         self.opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         local = per_rank_mbs[self.rank]
-        local_tokens = float(sum(p.num_response_tokens for p in mine[self.rank]))
+        local_tokens = max(float(sum(p.trained_tokens for p in mine[self.rank])), 1.0)
         for i in range(n_micro):
             if i < len(local):
-                for key, value in self._micro_step(local[i], denom).items():
-                    weight = sum(p.num_response_tokens for p in local[i]) / local_tokens
+                for key, value in self._micro_step(local[i], denom, seq_denom).items():
+                    weight = sum(p.trained_tokens for p in local[i]) / local_tokens
                     sums[key] = sums.get(key, 0.0) + value * weight
             else:
                 self._empty_micro_step()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        set_lr(self.opt, lr_at(self.tcfg, step, self.cfg.run.iterations * self.tcfg.epochs))  # step: the group's count
         self.opt.step()
         sums.update({"train/lr": float(self.opt.param_groups[0]["lr"]), "train/grad_norm": float(grad_norm), "train/tokens": sum(p.num_tokens for p in items),
                      "train/samples": len(items), "train/rank_samples": len(mine[self.rank])})
@@ -168,12 +171,12 @@ class FSDPRank:
         logits = self.model(input_ids=ids).logits
         (logits.float().sum() * 0.0).backward()
 
-    def _micro_step(self, mb: list[Prepared], total_tokens: float) -> dict[str, float]:
+    def _micro_step(self, mb: list[Prepared], total_tokens: float, total_seqs: float) -> dict[str, float]:
         """The GRPO policy-gradient micro-step of ``Trainer._micro_step``, on this rank's device."""
         ids, attn, mask = (t.to(self._device) for t in _pad(mb, self.pad_id))
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, ids[:, 1:], temperature=self.temperature)
-        loss, m = policy_objective(self.tcfg, mb, logp, mask, total_tokens)
+        loss, m = policy_objective(self.tcfg, mb, logp, mask, total_tokens, total_seqs)
         loss.backward()
         metrics = {f"train/{k}": v for k, v in m.items()}
         metrics["train/entropy"] = losses.masked_entropy(logits, mask, self.temperature)
@@ -332,7 +335,7 @@ class FSDPTrainerGroup:
 
     def prepare_groups(self, groups: list[list[Sample]]) -> list[list[Prepared]]:
         """``Trainer.prepare_groups`` without a reference or critic: no forward pass."""
-        return [[to_prepared(s) for s in g] for g in groups]
+        return prepare_samples(self.cfg, groups)
 
     set_group_advantages = staticmethod(set_group_advantages)
 
@@ -344,8 +347,11 @@ class FSDPTrainerGroup:
 
         if not items:
             raise ValueError("train_step needs at least one sample")
+        if not any(p.trained_tokens for p in items):  # every sample filtered: no step (Adam would still move)
+            return {"train/skipped_step": 1.0, "train/samples": len(items),
+                    "train/filtered_samples": sum(1 for p in items if p.meta.get("filtered"))}
         t0 = time.time()
-        results = self._all("train_step", ray.put(items))  # serialised once, read by every rank
+        results = self._all("train_step", ray.put(items), self.steps)  # serialised once, read by every rank
         metrics = dict(results[0])
         metrics["train/rank_samples"] = [r["train/rank_samples"] for r in results]
         metrics["train/step_s"] = time.time() - t0

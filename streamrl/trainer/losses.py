@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-LOSS_AGGS = ("token-mean", "seq-mean")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGG_ALIASES = {"seq-mean": "seq-mean-token-mean"}
 KL_KINDS = ("k1", "k2", "k3")
 
 
@@ -97,19 +98,24 @@ def grpo_advantages(
 def _aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, denominator: float | Tensor | None) -> Tensor:
     """Reduce ``[B, T]`` per-token losses to a scalar.
 
-    Gradient-accumulation contract: ``policy_loss`` and ``value_loss`` take ``denominator``.
-    Split a minibatch into micro-batches and pass each the *whole minibatch's* count (tokens for
-    ``"token-mean"``, sequences for ``"seq-mean"``); each micro-batch loss is then
+    ``token-mean``: every trained token of the batch weighs the same (DAPO); ``seq-mean-token-mean``
+    (alias ``seq-mean``): each sequence's token mean, averaged over sequences (GRPO's paper);
+    ``seq-mean-token-sum``: each sequence's token sum, averaged over sequences (Dr. GRPO-style,
+    no length normalisation). Gradient-accumulation contract: ``policy_loss`` and ``value_loss``
+    take ``denominator``. Split a minibatch into micro-batches and pass each the *whole
+    minibatch's* count (tokens for ``"token-mean"``, sequences for the ``seq-mean-*`` ones); each micro-batch loss is then
     ``sum(its per-token or per-seq losses) / denominator``, so calling ``backward()`` on every
     micro-batch loss (with no further scaling) accumulates exactly the gradient of the
     full-batch loss. Leaving ``denominator=None`` normalises by the micro-batch's own count,
     which is only equivalent when every micro-batch has the same count."""
+    loss_agg = LOSS_AGG_ALIASES.get(loss_agg, loss_agg)
     if loss_agg == "token-mean":
         total = (per_token * mask).sum()
         default = mask.sum()
-    elif loss_agg == "seq-mean":
+    elif loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         tokens = mask.sum(dim=1)
-        total = ((per_token * mask).sum(dim=1) / tokens.clamp(min=1)).sum()
+        per_seq = (per_token * mask).sum(dim=1)
+        total = (per_seq / tokens.clamp(min=1) if loss_agg == "seq-mean-token-mean" else per_seq).sum()
         default = (tokens > 0).sum()  # sequences with no trained tokens are not counted
     else:
         raise ValueError(f"unknown loss_agg {loss_agg!r}; expected one of {LOSS_AGGS}")
@@ -205,6 +211,7 @@ def decoupled_policy_loss(
     is_cap: float = 2.0,
     loss_agg: str = "token-mean",
     denominator: float | Tensor | None = None,
+    clip_eps_high: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Decoupled PPO (AReaL, Fu et al. 2025): the trust region is around the *proximal* policy
     (``prox_logprobs``: the trainer's policy before this update), and the behaviour policy that
@@ -226,7 +233,8 @@ def decoupled_policy_loss(
     log_ratio = logprobs - prox_logprobs.detach()
     ratio = torch.exp(log_ratio)
     unclipped = -ratio * adv
-    clipped = -torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    high = clip_eps if clip_eps_high is None else clip_eps_high  # clip-higher, as in policy_loss
+    clipped = -torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv
     per_token = weight * torch.maximum(unclipped, clipped)
     loss = _aggregate(per_token, mask, loss_agg, denominator)
     with torch.no_grad():
@@ -361,3 +369,12 @@ def value_loss(
             "value_error": masked_mean(err, mask).item(),
         }
     return loss, metrics
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_len - buffer`` tokens, then falling linearly
+    to ``-penalty`` at ``max_len`` (and beyond). ``buffer`` 0 punishes only a response at the cap."""
+    if length >= max_len:
+        return -penalty
+    start = max_len - buffer
+    return 0.0 if length <= start else -penalty * (length - start) / buffer

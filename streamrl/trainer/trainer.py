@@ -28,6 +28,7 @@ from streamrl.config import Config
 from streamrl.models.tiny import load_policy
 from streamrl.models.logprobs import model_logprobs
 from streamrl.trainer import losses
+from streamrl.trainer.schedule import lr_at, set_lr
 from streamrl.types import Sample
 
 
@@ -59,6 +60,11 @@ class Prepared:
     def num_response_tokens(self) -> int:
         return len(self.input_ids) - self.resp_start
 
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the loss sees: none for a response ``trainer.overlong: filter`` drops."""
+        return 0 if self.meta.get("filtered") else self.num_response_tokens
+
 
 class ValueModel(nn.Module):
     """Critic: the policy's transformer body with a scalar head, initialised from the policy."""
@@ -76,7 +82,8 @@ class ValueModel(nn.Module):
 
 
 def _pad(items: list[Prepared], pad_id: int):
-    """Token tensors for a micro-batch; ``mask`` marks target positions that are response tokens."""
+    """Token tensors for a micro-batch; ``mask`` marks target positions that are trained response
+    tokens (a filtered overlong response's row stays 0)."""
     width = max(p.num_tokens for p in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(items), width), dtype=torch.long)
@@ -84,7 +91,8 @@ def _pad(items: list[Prepared], pad_id: int):
     for i, p in enumerate(items):
         ids[i, : p.num_tokens] = torch.tensor(p.input_ids)
         attn[i, : p.num_tokens] = 1
-        mask[i, p.resp_start - 1: p.num_tokens - 1] = 1.0
+        if p.trained_tokens:
+            mask[i, p.resp_start - 1: p.num_tokens - 1] = 1.0
     return ids, attn, mask
 
 
@@ -130,20 +138,56 @@ def to_prepared(s: Sample) -> Prepared:
         raise ValueError(f"sample {c.request_id} has an empty response")
     return Prepared(input_ids=list(c.prompt_ids) + list(c.output_ids), resp_start=len(c.prompt_ids),
                     old_logprobs=list(c.logprobs), reward=s.reward, version=c.version_start,
-                    prompt_id=s.prompt.prompt_id, meta={"request_id": c.request_id})
+                    prompt_id=s.prompt.prompt_id,
+                    meta={"request_id": c.request_id, "truncated": c.finish_reason == "length"})
+
+
+def prepare_samples(cfg: Config, groups: list[list[Sample]]) -> list[list[Prepared]]:
+    """``to_prepared`` on every sample, then ``trainer.overlong``: a response cut at
+    ``generation.max_new_tokens`` is filtered out of the loss (it still counts in its group's
+    advantages), or its reward gets DAPO's soft penalty (``losses.overlong_penalty``; a buffer of
+    0 means a fifth of ``max_new_tokens``). Then ``trainer.dynamic_sampling`` (GRPO): a group
+    whose rewards are all equal is filtered out of the loss as a whole."""
+    out = [[to_prepared(s) for s in g] for g in groups]
+    t, cap = cfg.trainer, cfg.generation.max_new_tokens
+    for p in (p for g in out for p in g):
+        if t.overlong == "filter":
+            p.meta["filtered"] = p.meta["truncated"]
+        elif t.overlong == "penalty":
+            p.reward += losses.overlong_penalty(p.num_response_tokens, cap, t.overlong_buffer or cap // 5,
+                                                t.overlong_penalty)
+    if t.dynamic_sampling and t.algo == "grpo":
+        for g in out:
+            if len({p.reward for p in g}) == 1:
+                for p in g:
+                    p.meta["filtered"] = p.meta["zero_signal"] = True
+    return out
+
+
+def step_denominators(items: list[Prepared]) -> tuple[float, float]:
+    """The whole optimizer step's trained tokens and trained sequences (every micro-batch's loss is
+    divided by the step's count, so accumulated gradients equal the full-batch one)."""
+    tokens = float(sum(p.trained_tokens for p in items))
+    return max(tokens, 1.0), max(float(sum(1 for p in items if p.trained_tokens)), 1.0)
 
 
 def policy_objective(tcfg, mb: list[Prepared], logp: torch.Tensor, mask: torch.Tensor,
-                     denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+                     denominator: float, sequences: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy term of one micro-batch under ``trainer.correction``: PPO clipped against the
     behaviour log-probs (``none``), decoupled PPO (``decoupled``: the proximal policy is this
     step's, captured on the sample's first step and kept for later epochs), or truncated IS
-    (``tis``). Shared by the single trainer and the FSDP2 ranks."""
+    (``tis``), aggregated by ``trainer.loss_agg`` (``denominator``: the step's tokens;
+    ``sequences``: its sequences, for the seq-mean aggregations). Shared by the single trainer
+    and the FSDP2 ranks."""
+    agg = tcfg.loss_agg
+    if agg != "token-mean":
+        denominator = sequences if sequences is not None else float(sum(1 for p in mb if p.trained_tokens))
+    kw = {"loss_agg": agg, "denominator": denominator}
     width = logp.shape[1] + 1
     behav = _per_token(mb, "old_logprobs", width).to(logp.device)
     adv = _per_token(mb, "advantages", width).to(logp.device)
     if tcfg.correction == "tis":
-        return losses.tis_policy_loss(logp, behav, adv, mask, is_cap=tcfg.is_cap, denominator=denominator)
+        return losses.tis_policy_loss(logp, behav, adv, mask, is_cap=tcfg.is_cap, **kw)
     if tcfg.correction == "decoupled":
         if all(p.prox_logprobs is not None for p in mb):
             prox = _per_token(mb, "prox_logprobs", width).to(logp.device)
@@ -152,8 +196,8 @@ def policy_objective(tcfg, mb: list[Prepared], logp: torch.Tensor, mask: torch.T
             for i, p in enumerate(mb):
                 p.prox_logprobs = prox[i, p.resp_start - 1: p.num_tokens - 1].cpu().tolist()
         return losses.decoupled_policy_loss(logp, prox, behav, adv, mask, clip_eps=tcfg.clip_eps, is_cap=tcfg.is_cap,
-                                            denominator=denominator)
-    return losses.policy_loss(logp, behav, adv, mask, clip_eps=tcfg.clip_eps, denominator=denominator)
+                                            clip_eps_high=tcfg.clip_eps_high, **kw)
+    return losses.policy_loss(logp, behav, adv, mask, clip_eps=tcfg.clip_eps, clip_eps_high=tcfg.clip_eps_high, **kw)
 
 
 def set_group_advantages(groups: list[list[Prepared]]) -> None:
@@ -187,7 +231,10 @@ class Trainer:
         self.model, self.tokenizer = load_policy(policy_path or cfg.policy.path)
         self.model.train()
         if self.tcfg.activation_checkpointing:  # recompute each block's activations in backward
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:  # the older name
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = self.tokenizer.pad_token_id
         self.temperature = cfg.generation.temperature
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
@@ -220,7 +267,7 @@ class Trainer:
         into micro-batches of ``micro_batch_tokens`` padded tokens, so a call with many short
         groups costs a few batched passes instead of one small pass per group, and a long sample
         does not pad the short ones."""
-        out = [[to_prepared(s) for s in g] for g in groups]
+        out = prepare_samples(self.cfg, groups)
         if self.ref is None and self.critic is None:
             return out
         if self.critic is not None and self.critic_old is None:
@@ -259,37 +306,44 @@ class Trainer:
         if not items:
             raise ValueError("train_step needs at least one sample")
         t0 = time.time()
-        total_tokens = float(sum(p.num_response_tokens for p in items))
+        filtered = {"train/filtered_samples": sum(1 for p in items if p.meta.get("filtered")),
+                    "train/zero_signal_samples": sum(1 for p in items if p.meta.get("zero_signal"))}
+        if not any(p.trained_tokens for p in items):  # nothing carries a gradient: Adam would still move
+            return {**filtered, "train/skipped_step": 1.0, "train/samples": len(items)}
+        total_tokens, total_seqs = step_denominators(items)
         self.opt.zero_grad(set_to_none=True)
         if self.critic_opt is not None:
             self.critic_opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for mb in micro_batches(items, self.tcfg.micro_batch_tokens):
-            for key, value in self._micro_step(mb, total_tokens).items():
-                sums[key] = sums.get(key, 0.0) + value * sum(p.num_response_tokens for p in mb) / total_tokens
+            for key, value in self._micro_step(mb, total_tokens, total_seqs).items():
+                sums[key] = sums.get(key, 0.0) + value * sum(p.trained_tokens for p in mb) / total_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+        set_lr(self.opt, lr_at(self.tcfg, self.steps, self.cfg.run.iterations * self.tcfg.epochs))
         self.opt.step()
         if self.critic_opt is not None:
             torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.tcfg.grad_clip)
             self.critic_opt.step()
         self.steps += 1
         sums.update({"train/lr": float(self.opt.param_groups[0]["lr"]), "train/grad_norm": float(grad_norm), "train/step_s": time.time() - t0,
-                     "train/tokens": sum(p.num_tokens for p in items), "train/samples": len(items)})
+                     "train/tokens": sum(p.num_tokens for p in items), "train/samples": len(items), **filtered})
         return sums
 
-    def _micro_step(self, mb: list[Prepared], total_tokens: float) -> dict[str, float]:
+    def _micro_step(self, mb: list[Prepared], total_tokens: float, total_seqs: float) -> dict[str, float]:
         ids, attn, mask = _pad(mb, self.pad_id)
         width = ids.shape[1]
         logp, entropy = model_logprobs(self.model, ids, attn, self.temperature)
-        loss, m = policy_objective(self.tcfg, mb, logp, mask, total_tokens)
+        loss, m = policy_objective(self.tcfg, mb, logp, mask, total_tokens, total_seqs)
         metrics = {f"train/{k}": v for k, v in m.items()}
         metrics["train/entropy"] = float(losses.masked_mean(entropy.detach(), mask))
+        if self.tcfg.entropy_coef > 0:  # the bonus: higher entropy lowers the loss
+            loss = loss - self.tcfg.entropy_coef * (entropy * mask).sum() / total_tokens
         if self.ref is not None and self.tcfg.algo == "grpo":
             ref = _per_token(mb, "ref_logprobs", width)
-            kl = losses.kl_penalty(logp, ref, mask, kind="k3")
+            kl = losses.kl_penalty(logp, ref, mask, kind=self.tcfg.kl_estimator)
             kl_loss = kl.sum() / total_tokens
             loss = loss + self.tcfg.kl_coef * kl_loss
-            metrics["train/kl"] = float(kl.sum() / mask.sum())
+            metrics["train/kl"] = float(kl.detach().sum() / mask.sum())
         metrics["train/pg_loss"] = float(loss.detach()) * total_tokens / max(float(mask.sum()), 1.0)
         if self.critic is not None:
             values = self.critic(ids, attn)[:, :-1]
