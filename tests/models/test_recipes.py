@@ -66,3 +66,13 @@ def test_the_smollm2_recipe_builds_a_checkpoint_that_loads_as_the_instruct_model
     x = torch.tensor([ids])
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, gguf(x).logits, atol=1e-4, rtol=0)
+
+
+def test_the_shipped_recipe_config_names_the_recipe_and_the_arithmetic_task():
+    from pathlib import Path
+
+    from streamrl.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "smollm2.yaml")
+    assert recipe_for(cfg.policy.path).name == "smollm2-135m-instruct" and cfg.task.name == "arithmetic"
+    assert cfg.trainer.activation_checkpointing and cfg.mode == "stream-async"
