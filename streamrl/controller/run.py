@@ -44,6 +44,10 @@ class Run:
         cfg, out = self.cfg, self.out
         (out / "config.yaml").write_text(dump_config(cfg))
         ensure_policy(cfg, self.echo)
+        from streamrl.controller.preflight import check_fits
+        from streamrl.models.hf import resolve_policy_path
+
+        check_fits(cfg, resolve_policy_path(cfg.policy.path))  # before Ray: a model that cannot fit stops here
         tokenizer = load_tokenizer(cfg.policy.path)
         task = make_task(cfg)
         self.ctx = RunContext(cfg, task, tokenizer, self.reward)
