@@ -26,9 +26,9 @@ import torch.distributed as dist
 from streamrl.config import Config
 from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer import losses
-from streamrl.trainer.schedule import lr_at, set_lr
+from streamrl.trainer.schedule import lr_for_step, set_lr
 from streamrl.trainer.trainer import (Prepared, _pad, micro_batches, policy_objective, prepare_samples,
-                                      set_group_advantages, step_denominators)
+                                      set_group_advantages, skipped_step, step_denominators)
 from streamrl.types import Sample
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -159,7 +159,7 @@ class FSDPRank:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        set_lr(self.opt, lr_at(self.tcfg, step, self.cfg.run.iterations * self.tcfg.epochs))  # step: the group's count
+        set_lr(self.opt, lr_for_step(self.cfg, step))  # step: the group's count
         self.opt.step()
         sums.update({"train/lr": float(self.opt.param_groups[0]["lr"]), "train/grad_norm": float(grad_norm), "train/tokens": sum(p.num_tokens for p in items),
                      "train/samples": len(items), "train/rank_samples": len(mine[self.rank])})
@@ -347,9 +347,9 @@ class FSDPTrainerGroup:
 
         if not items:
             raise ValueError("train_step needs at least one sample")
-        if not any(p.trained_tokens for p in items):  # every sample filtered: no step (Adam would still move)
-            return {"train/skipped_step": 1.0, "train/samples": len(items),
-                    "train/filtered_samples": sum(1 for p in items if p.meta.get("filtered"))}
+        skipped = skipped_step(items)
+        if skipped is not None:
+            return skipped
         t0 = time.time()
         results = self._all("train_step", ray.put(items), self.steps)  # serialised once, read by every rank
         metrics = dict(results[0])

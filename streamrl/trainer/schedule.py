@@ -26,6 +26,11 @@ def lr_at(tcfg, step: int, default_decay_steps: int) -> float:
     return low + (tcfg.lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def lr_for_step(cfg, step: int) -> float:
+    """``lr_at`` for a run's config: the cosine's default end is one step per iteration and epoch."""
+    return lr_at(cfg.trainer, step, cfg.run.iterations * cfg.trainer.epochs)
+
+
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

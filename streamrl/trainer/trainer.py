@@ -28,7 +28,7 @@ from streamrl.config import Config
 from streamrl.models.tiny import load_policy
 from streamrl.models.logprobs import model_logprobs
 from streamrl.trainer import losses
-from streamrl.trainer.schedule import lr_at, set_lr
+from streamrl.trainer.schedule import lr_for_step, set_lr
 from streamrl.types import Sample
 
 
@@ -162,6 +162,20 @@ def prepare_samples(cfg: Config, groups: list[list[Sample]]) -> list[list[Prepar
                 for p in g:
                     p.meta["filtered"] = p.meta["zero_signal"] = True
     return out
+
+
+def filter_counts(items: list[Prepared]) -> dict[str, float]:
+    """How many of a step's samples the loss does not see, and how many of those for zero signal."""
+    return {"train/filtered_samples": sum(1 for p in items if p.meta.get("filtered")),
+            "train/zero_signal_samples": sum(1 for p in items if p.meta.get("zero_signal"))}
+
+
+def skipped_step(items: list[Prepared]) -> dict[str, float] | None:
+    """The metrics of a step that is not taken because no sample carries a gradient (Adam would
+    still move the weights on zero gradients), or None when the step is to be taken."""
+    if any(p.trained_tokens for p in items):
+        return None
+    return {**filter_counts(items), "train/skipped_step": 1.0, "train/samples": len(items)}
 
 
 def step_denominators(items: list[Prepared]) -> tuple[float, float]:
@@ -306,10 +320,9 @@ class Trainer:
         if not items:
             raise ValueError("train_step needs at least one sample")
         t0 = time.time()
-        filtered = {"train/filtered_samples": sum(1 for p in items if p.meta.get("filtered")),
-                    "train/zero_signal_samples": sum(1 for p in items if p.meta.get("zero_signal"))}
-        if not any(p.trained_tokens for p in items):  # nothing carries a gradient: Adam would still move
-            return {**filtered, "train/skipped_step": 1.0, "train/samples": len(items)}
+        skipped = skipped_step(items)
+        if skipped is not None:
+            return skipped
         total_tokens, total_seqs = step_denominators(items)
         self.opt.zero_grad(set_to_none=True)
         if self.critic_opt is not None:
@@ -319,14 +332,14 @@ class Trainer:
             for key, value in self._micro_step(mb, total_tokens, total_seqs).items():
                 sums[key] = sums.get(key, 0.0) + value * sum(p.trained_tokens for p in mb) / total_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
-        set_lr(self.opt, lr_at(self.tcfg, self.steps, self.cfg.run.iterations * self.tcfg.epochs))
+        set_lr(self.opt, lr_for_step(self.cfg, self.steps))
         self.opt.step()
         if self.critic_opt is not None:
             torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.tcfg.grad_clip)
             self.critic_opt.step()
         self.steps += 1
         sums.update({"train/lr": float(self.opt.param_groups[0]["lr"]), "train/grad_norm": float(grad_norm), "train/step_s": time.time() - t0,
-                     "train/tokens": sum(p.num_tokens for p in items), "train/samples": len(items), **filtered})
+                     "train/tokens": sum(p.num_tokens for p in items), "train/samples": len(items), **filter_counts(items)})
         return sums
 
     def _micro_step(self, mb: list[Prepared], total_tokens: float, total_seqs: float) -> dict[str, float]:
