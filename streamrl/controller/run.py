@@ -134,7 +134,9 @@ class Run:
 
     def finish(self, rl_seconds: float) -> dict[str, Any]:
         cfg, out, pipeline = self.cfg, self.out, self.pipeline
+        t_drain = time.time()
         pipeline.finish()
+        rl_seconds += time.time() - t_drain  # async modes train their last steps here: RL time includes them
         for trained_it, train_metrics in pipeline.unreported_train_metrics():
             self.logger.log(trained_it + 1, train_metrics, echo=False)  # async: the last steps finish after the loop
         pipe_stats = self._pictures(rl_seconds)
