@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SLOW_FIXTURES = ("ray_session", "tiny_policy_dir")
+SLOW_FIXTURES = ("ray_session", "tiny_policy_dir", "two_sites")
 
 
 def pytest_collection_modifyitems(config, items):

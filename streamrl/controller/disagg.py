@@ -141,7 +141,9 @@ class DisaggPipeline(Pipeline):
         for c in (s.completion for s in samples):
             self.timeline.add(c.instance, "generate", iteration, c.version_start, c.t_start, c.t_end)
         metrics = {"time/gen_s": gen_end - t0, "time/gen_active_s": gen_end - t_submit, "gen/version": gen_version,
-                   "gen/tokens_per_s": sum(s.num_response_tokens for s in samples) / max(gen_end - t0, 1e-9),
+                   # the engines' rate while this iteration generates: not the wait for its weights, which in
+                   # async modes is the trainer's time (counting it made generation look 2-3x slower beside training)
+                   "gen/tokens_per_s": sum(s.num_response_tokens for s in samples) / max(gen_end - t_submit, 1e-9),
                    **staleness_metrics(iteration, [s.completion for s in samples]),
                    **self.sgs.take_metrics(),  # ranker recall/Spearman of this batch, rebalancing counters
                    **self.strategy.metrics(), **self._train_metrics(iteration)}

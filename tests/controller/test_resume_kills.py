@@ -1,4 +1,4 @@
-"""One stream-async run SIGKILLed (the driver and all of Ray under it) at five random points and
+"""One stream-async run SIGKILLed (the driver and all of Ray under it) at three random points and
 resumed each time: checked against the uninterrupted schedule for exactly-once training (the
 final weights' lineage) and for the staleness bound (every logged sample's version)."""
 
@@ -15,15 +15,15 @@ import pytest
 
 from streamrl.config import load_config
 
-pytestmark = pytest.mark.slow  # six CLI runs on Ray
+pytestmark = pytest.mark.slow  # four CLI runs on Ray
 
 ROOT = Path(__file__).parents[2]
 
 
-def test_a_run_killed_and_resumed_five_times_trains_the_schedule_exactly_once(tiny_policy_dir, tmp_path):
+def test_a_run_killed_and_resumed_three_times_trains_the_schedule_exactly_once(tiny_policy_dir, tmp_path):
     from streamrl.lab.bench.faults import Attempt, _kill_tree, _wait_gone, exactly_once, scheduled_ids
 
-    overrides = [f"policy.path={tiny_policy_dir}", "mode=stream-async", "run.iterations=40",
+    overrides = [f"policy.path={tiny_policy_dir}", "mode=stream-async", "run.iterations=24",
                  "generation.prompts_per_iter=4", "generation.n_samples=2", "generation.max_new_tokens=24",
                  "task.num_eval=4", "run.eval_samples=1", "cluster.num_cpus=2", "run.checkpoint_every=1",
                  "logging.samples=true", "logging.backends=[console,jsonl]"]
@@ -31,7 +31,7 @@ def test_a_run_killed_and_resumed_five_times_trains_the_schedule_exactly_once(ti
     base = [sys.executable, "-m", "streamrl.cli", "train", *overrides, f"run.out_dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     rng, kills = random.Random(0), 0
-    for k in range(5):
+    for k in range(3):
         resume = (out / "checkpoint" / "trainer.pt").is_file()
         att = Attempt(base + (["run.resume=true"] if resume else ["run.overwrite=true"]), tmp_path / f"a{k}.log", env)
         deadline = time.time() + 180
@@ -46,12 +46,12 @@ def test_a_run_killed_and_resumed_five_times_trains_the_schedule_exactly_once(ti
         kills += 1
     final = Attempt(base + ["run.resume=true"], tmp_path / "final.log", env)
     assert final.finish() == 0, "\n".join(line for _, line in final.lines[-20:])
-    assert kills >= 5
+    assert kills >= 3
 
     cfg = load_config(None, overrides)
     check = exactly_once(scheduled_ids(cfg), json.loads((out / "lineage.json").read_text()))
     assert check["prompts_lost"] == 0 and check["prompts_trained_twice"] == 0, check
-    assert check["samples_trained"] == 40 * 4 * 2
+    assert check["samples_trained"] == 24 * 4 * 2
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert sorted({r["iteration"] for r in rows}) == list(range(40)) and len(rows) == 40 * 4 * 2
+    assert sorted({r["iteration"] for r in rows}) == list(range(24)) and len(rows) == 24 * 4 * 2
     assert all(0 <= r["iteration"] - r["version_start"] <= 1 for r in rows)  # stream-async's bound

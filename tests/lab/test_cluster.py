@@ -29,21 +29,8 @@ def _procs_with(marker: str) -> list[str]:
     return [line for line in out.splitlines() if marker in line]
 
 
-@pytest.fixture(scope="module")
-def two_sites():
-    why = C.unavailable()
-    if why:
-        pytest.skip(f"no multi-site cluster here: {why}")
-    name = f"t{os.getpid() % 1000}"
-    cl = C.up(C.parse_sites("A:1,B:2"), C.parse_links("A-B:100mbit", C.parse_sites("A:1,B:2")), name=name)
-    try:
-        yield cl
-    finally:
-        C.down(name, cl.root)
-
-
 @pytest.mark.slow
-def test_the_cluster_comes_up_labelled_by_site_and_its_link_is_shaped(two_sites):
+def test_the_cluster_comes_up_labelled_by_site_and_its_link_is_shaped(two_sites):  # tests/lab/conftest.py
     cl = two_sites
     assert [(n.name, n.site) for n in cl.nodes] == [("A0", "A"), ("B0", "B"), ("B1", "B")]
     script = ("import ray, json; ray.init(address='auto', logging_level='ERROR'); "

@@ -83,20 +83,10 @@ def test_a_shipped_policy_is_written_once_per_node_and_directories_replace_atomi
         unpack_dir({"../evil": b"x"}, tmp_path / "x")
 
 
-@pytest.fixture(scope="module")
-def sites(tmp_path_factory):
-    from streamrl.lab import cluster as C
-
-    why = C.unavailable()
-    if why:
-        pytest.skip(f"no multi-site cluster here: {why}")
-    name = f"m{os.getpid() % 1000}"
-    specs = C.parse_sites("A:1,B:2")
-    cl = C.up(specs, C.parse_links("A-B:200mbit", specs), name=name, cpus_per_node=2, measure=False)
-    try:
-        yield cl
-    finally:
-        C.down(name, cl.root)
+@pytest.fixture
+def sites(two_sites):
+    """The shared two-site cluster (tests/lab/conftest.py)."""
+    return two_sites
 
 
 def _train(cl, tmp: Path, *overrides: str, plan: dict | None = None) -> subprocess.CompletedProcess:
