@@ -59,11 +59,6 @@ def write_inputs(work: Path, seed: int, num_train: int) -> dict:
     return {k: str(v) for k, v in paths.items()}
 
 
-def peak_gb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
-
-
 def run_trl(spec: dict) -> dict:
     """In this process: TRL's GRPOTrainer for ``spec['steps']`` steps; its timing and reward curve."""
     import importlib.util
@@ -71,6 +66,8 @@ def run_trl(spec: dict) -> dict:
     import torch
     from datasets import load_dataset
     from trl import GRPOConfig, GRPOTrainer
+
+    from streamrl.memory import peak_rss_mb
 
     torch.set_num_threads(spec["threads"])
     mod_spec = importlib.util.spec_from_file_location("compare_reward", spec["paths"]["reward"])
@@ -94,7 +91,7 @@ def run_trl(spec: dict) -> dict:
     rl_s = time.time() - t1
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"rl_seconds": rl_s, "setup_seconds": setup_s, "samples": spec["steps"] * batch, "rewards": rewards,
-            "peak_gb": {"trainer+generation": round(peak_gb(), 2)}}
+            "peak_gb": {"trainer+generation": round(peak_rss_mb() / 1024, 2)}}
 
 
 def run_streamrl(spec: dict, mode: str) -> dict:
