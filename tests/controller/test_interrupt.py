@@ -50,6 +50,7 @@ sys.exit(main())
 
 
 def _held_cli(tmp_path, policy_dir, out, step: int, until_stop: bool, *extra) -> list[str]:
+    """The CLI under ``HOLD``: held after ``step`` until the interrupt."""
     wrapper = tmp_path / f"held_cli_{step}.py"
     wrapper.write_text(HOLD.replace("STEP", str(step)).replace("UNTIL_STOP", str(until_stop)))
     return _cli(policy_dir, out, *extra, entry=(str(wrapper),))
@@ -87,10 +88,12 @@ def _cli(policy_dir, out, *extra, entry=("-m", "streamrl.cli")) -> list[str]:
             "logging.samples=true", "logging.backends=[console,jsonl]", *extra]
 
 
-def test_sigint_checkpoints_and_the_resumed_run_trains_each_iteration_once(tiny_policy_dir, tmp_path):
+def test_sigint_checkpoints_and_the_resumed_run_trains_each_iteration_once(ray_session, tiny_policy_dir, tmp_path):
     out = tmp_path / "run"
+    # the three runs join the session's Ray (cluster.address) instead of each starting and stopping one
+    joined = (f"cluster.address={ray_session.get_runtime_context().gcs_address}", "cluster.ship_package=false")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
-    code, rest, err = _interrupt(_held_cli(tmp_path, tiny_policy_dir, out, 3, True), env, tmp_path / "err1.txt", 3, 1)
+    code, rest, err = _interrupt(_held_cli(tmp_path, tiny_policy_dir, out, 3, True, *joined), env, tmp_path / "err1.txt", 3, 1)
     assert code == 130, err[-2000:]
     assert "Ctrl-C: the run stops after the current step and saves a checkpoint" in rest, rest[-2000:]
     message = [line for line in err.splitlines() if line.startswith("streamrl: interrupted:")]
@@ -100,14 +103,14 @@ def test_sigint_checkpoints_and_the_resumed_run_trains_each_iteration_once(tiny_
 
     # resumed, then two Ctrl-C: the run stops at once and the checkpoint of the first stop is kept
     before = (out / "checkpoint" / "trainer.pt").read_bytes()
-    code, rest, err = _interrupt(_held_cli(tmp_path, tiny_policy_dir, out, saved + 2, False, "run.resume=true"), env,
+    code, rest, err = _interrupt(_held_cli(tmp_path, tiny_policy_dir, out, saved + 2, False, "run.resume=true", *joined), env,
                                  tmp_path / "err2.txt", saved + 2, 2)
     assert code == 130, err[-2000:]
     message = [line for line in err.splitlines() if line.startswith("streamrl: interrupted:")]
     assert len(message) == 1 and "stopped at once; the last checkpoint written is kept" in message[0], err[-2000:]
     assert (out / "checkpoint" / "trainer.pt").read_bytes() == before
 
-    done = subprocess.run(_cli(tiny_policy_dir, out, "run.resume=true"), cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run(_cli(tiny_policy_dir, out, "run.resume=true", *joined), cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from {out / 'checkpoint'} at iteration {saved + 1}" in done.stdout
