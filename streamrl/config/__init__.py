@@ -31,12 +31,12 @@ from streamrl.config.ranker import RankerConfig
 from streamrl.config.root import Config
 from streamrl.config.run import RunConfig
 from streamrl.config.task import TaskConfig, is_reward_file, reward_specs
-from streamrl.config.trainer import TrainerConfig
+from streamrl.config.trainer import LoraConfig, TrainerConfig
 from streamrl.config.weights import WeightsConfig
 
 __all__ = [
     "LOGGING_BACKENDS", "PATH_FIELDS", "ClusterConfig", "Config", "ConfigError", "GenerationConfig", "LoggingConfig",
-    "NodeGroupConfig", "PlacementConfig", "PolicyConfig", "RankerConfig", "RunConfig", "TaskConfig", "TrainerConfig",
+    "LoraConfig", "NodeGroupConfig", "PlacementConfig", "PolicyConfig", "RankerConfig", "RunConfig", "TaskConfig", "TrainerConfig",
     "WeightsConfig", "_model_in", "config_from_dict", "dump_config", "dump_config_annotated", "is_reward_file",
     "load_cli_config", "load_config", "parse_override", "plan_overrides", "reward_specs", "split_cli_config",
 ]

@@ -293,6 +293,21 @@ def _comment(text: str | None, indent: str = "", width: int = 100) -> list[str]:
     return lines
 
 
+def _annotated_fields(section, data: dict, indent: str) -> list[str]:
+    """Each field of ``section`` as ``key: value`` under its description; a nested section (such as
+    ``trainer.lora``) as a block of its own fields, one level deeper."""
+    lines = []
+    for key, sub in section.model_fields.items():
+        lines += _comment(sub.description, indent)
+        nested = _model_in(sub.annotation)
+        if nested is not None and get_origin(sub.annotation) is None:
+            lines.append(f"{indent}{key}:")
+            lines += _annotated_fields(nested, data[key], indent + "  ")
+        else:
+            lines.append(indent + _yaml_entry(key, data[key]))
+    return lines
+
+
 def dump_config_annotated(cfg: Config, header: Iterable[str] = ()) -> str:
     """``cfg`` as YAML with each section's docstring and each key's description as ``#``
     comments (``streamrl config show``); ``load_config`` reads it back to ``cfg``."""
@@ -307,7 +322,5 @@ def dump_config_annotated(cfg: Config, header: Iterable[str] = ()) -> str:
         lines.append("")
         lines += _comment(section.__doc__)
         lines.append(f"{name}:")
-        for key, sub in section.model_fields.items():
-            lines += _comment(sub.description, "  ")
-            lines.append("  " + _yaml_entry(key, data[name][key]))
+        lines += _annotated_fields(section, data[name], "  ")
     return "\n".join(lines).replace("\n\n\n", "\n\n").lstrip("\n") + "\n"

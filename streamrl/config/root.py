@@ -92,6 +92,19 @@ class Config(_Section):
 
 
     @model_validator(mode="after")
+    def _lora_fits(self) -> "Config":
+        """LoRA adapters are trained by the single trainer and merged by the transformers engine."""
+        if self.trainer.lora.rank == 0:
+            return self
+        if self.generation.engine != "transformers":
+            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank} needs generation.engine=transformers "
+                             f"(got {self.generation.engine!r}: vLLM instances do not apply adapters yet)")
+        if self.trainer.backend != "single":
+            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank} needs trainer.backend=single "
+                             f"(got {self.trainer.backend!r}: the FSDP2 group does not train adapters yet)")
+        return self
+
+    @model_validator(mode="after")
     def _gpu_generation_is_vllm_on_cuda(self) -> "Config":
         """On ``placement.device=cuda`` generation is vLLM on the GPUs. Whether the cluster holds
         the run is ``streamrl.placement.plan_placement``'s check."""

@@ -13,6 +13,23 @@ DAPO = {"clip_eps": 0.2, "clip_eps_high": 0.28, "loss_agg": "token-mean", "kl_co
 """What ``trainer.preset: dapo`` sets (DAPO, Yu et al. 2025), field by field, where the config does not."""
 
 
+class LoraConfig(_Section):
+    """LoRA adapters trained with peft instead of every weight; only the adapters are published to the
+    instances (a few MB per update), which merge them into their copy of the base weights."""
+
+    rank: int = Field(0, ge=0)
+    """adapter rank; 0 = off (full fine-tuning)"""
+    alpha: float = Field(32.0, gt=0)
+    """scaling numerator: the update is (alpha / rank) * B @ A"""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """dropout on the adapter's input while training"""
+    target_modules: list[str] | None = None
+    """names of the linear modules that get adapters (e.g. [q_proj, v_proj]); None = every linear layer of the
+    transformer blocks (the attention and MLP projections), not the output head"""
+    export_merged: bool = False
+    """at the end of the run also write policy-merged/: the base model with the adapter merged in"""
+
+
 class TrainerConfig(_Section):
     preset: Literal["none", "dapo"] = "none"
     """dapo = clip-higher 0.2/0.28, token-mean loss, no KL, overlong penalty, dynamic sampling; fields set
@@ -85,6 +102,8 @@ class TrainerConfig(_Section):
     gradient weighted by truncated pi/behaviour per token)"""
     is_cap: float = Field(2.0, gt=0)
     """truncation of the importance weights (decoupled and tis)"""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters (rank 0 = full fine-tuning)"""
     # PPO
     critic_lr: float = Field(5e-4, gt=0)
     """PPO critic learning rate"""

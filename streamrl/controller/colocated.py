@@ -8,7 +8,6 @@ call, so generation and training never overlap: the cost the disaggregated modes
 
 from __future__ import annotations
 
-import copy
 import time
 
 import ray
@@ -32,7 +31,7 @@ class ColocatedWorker:
         cfg = cfg.model_copy(deep=True)
         cfg.trainer.threads = threads
         self.trainer = Trainer(cfg)
-        engine_model = copy.deepcopy(self.trainer.model).eval()
+        engine_model = self.trainer.plain_copy().eval()
         self.engine = make_engine(cfg.generation.engine, engine_model,
                                   **engine_kwargs(cfg, self.trainer.tokenizer, threads, "colocated-0", cfg.run.seed))
         self.algo = cfg.trainer.algo
@@ -57,7 +56,7 @@ class ColocatedWorker:
         train_s = time.time() - t0
         t1 = time.time()
         version = tr.finish_iteration()
-        self.engine.update_weights(tr.policy_state(), version)
+        self._install(version)
         metrics.update({"time/train_s": train_s, "time/weight_sync_s": time.time() - t1, "policy/version": version,
                         "train/tokens_per_s": sum(s.completion.prompt_ids.__len__() + s.num_response_tokens
                                                   for s in samples) / max(train_s, 1e-9)})
@@ -84,8 +83,18 @@ class ColocatedWorker:
     def load(self, path: str) -> dict:
         extra = self.trainer.load_checkpoint(path)
         self.lineage = list(extra.pop("lineage", []))
-        self.engine.update_weights(self.trainer.policy_state(), self.trainer.version)
+        self._install(self.trainer.version)
         return extra
+
+    def _install(self, version: int) -> None:
+        """The trainer's weights into the engine: the whole state, or with LoRA the adapter."""
+        tr = self.trainer
+        if tr.lora:
+            from streamrl.models.lora import scale
+
+            self.engine.update_adapter(tr.policy_state(), scale(tr.tcfg.lora), version)
+        else:
+            self.engine.update_weights(tr.policy_state(), version)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -3,11 +3,11 @@
 The parameter count comes from the checkpoint's safetensors headers (no weights are read). Per
 process, in float32 on CPU: the trainer holds weights, gradients and Adam's two moments (16 bytes
 per parameter), a reference (4) when KL is on, a critic (16) for PPO, and the published copy
-and its object-store copy (2 x the wire dtype); a generation instance holds its weights, a
-received copy and the engine's working set (12). Each process gets 1 GB beside that
-(activations, the KV cache, the interpreter). On a local cluster a run whose estimate exceeds
-the memory the machine has available is refused in one line, naming the figures; a cluster
-given by address is not checked (its nodes are elsewhere).
+and its object-store copy (2 x the wire dtype); with LoRA, the frozen weights (4) and the critic.
+A generation instance holds its weights, a received copy and the engine's working set (12).
+Each process gets 1 GB beside that (activations, the KV cache, the interpreter). On a local
+cluster a run whose estimate exceeds the memory the machine has available is refused in one
+line, naming the figures; a cluster given by address is not checked (its nodes are elsewhere).
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ def checkpoint_parameters(path: str | Path) -> int | None:
 def estimate_gb(cfg, params: int) -> dict[str, float]:
     """Estimated peak resident memory (GB) per process kind, and ``total`` on this machine."""
     t, wire = cfg.trainer, 2 if cfg.weights.wire_dtype == "bfloat16" else 4
-    trainer = params * (16 + (4 if t.kl_coef > 0 else 0) + (16 if t.algo == "ppo" else 0) + 2 * wire) / GB + 1
+    if t.lora.rank > 0:  # frozen weights; the adapters, their state and the published copies are small
+        trainer = params * (4 + (16 if t.algo == "ppo" else 0)) / GB + 1
+    else:
+        trainer = params * (16 + (4 if t.kl_coef > 0 else 0) + (16 if t.algo == "ppo" else 0) + 2 * wire) / GB + 1
     instance = params * 12 / GB + 1
     instances = 1 if cfg.mode == "colocated" else cfg.generation.num_instances
     total = trainer + instances * instance + 0.5  # the driver

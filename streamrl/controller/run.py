@@ -48,6 +48,10 @@ class Run:
         from streamrl.models.hf import resolve_policy_path
 
         check_fits(cfg, resolve_policy_path(cfg.policy.path))  # before Ray: a model that cannot fit stops here
+        if cfg.trainer.lora.rank > 0:  # before Ray: an adapter on a module the model lacks stops here
+            from streamrl.models.lora import check_targets
+
+            check_targets(cfg, resolve_policy_path(cfg.policy.path))
         tokenizer = load_tokenizer(cfg.policy.path)
         task = make_task(cfg)
         self.ctx = RunContext(cfg, task, tokenizer, self.reward)

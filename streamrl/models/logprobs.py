@@ -178,6 +178,8 @@ def model_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature
     each, from a causal LM: through ``head_logprobs`` when the model has a plain head, else from
     its full logits (entropy then without a gradient)."""
     targets = input_ids[:, 1:]
+    if hasattr(model, "get_base_model"):  # a peft model: the causal LM with its adapter layers in place
+        model = model.get_base_model()
     head = plain_head(model)
     if head is not None:
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state

@@ -57,6 +57,7 @@ class GenerationInstance:
         from streamrl.models.shipping import materialize_policy
 
         self.name = name
+        self.cfg_lora = cfg.trainer.lora
         policy_path = materialize_policy(policy_path)  # a package the driver shipped: written on this node
         if cfg.generation.engine == "vllm":  # vLLM loads the checkpoint directory itself
             from transformers import PreTrainedTokenizerFast
@@ -191,7 +192,13 @@ class GenerationInstance:
         t0 = time.time()
         fw, rec = self.receiver.receive(handle)
         t1 = time.time()
-        self.engine.update_weights(unflatten(fw), version)
+        lora = self.cfg_lora
+        if lora.rank > 0:  # the version is an adapter (models.lora): merged into the base weights
+            from streamrl.models.lora import scale
+
+            self.engine.update_adapter(unflatten(fw), scale(lora), version)
+        else:
+            self.engine.update_weights(unflatten(fw), version)
         t2 = time.time()
         release_free_memory()  # once per version, the engine running again (streamrl.memory)
         self.events.append(Event(self.name, "weight_fetch", -1, version, rec.start,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from streamrl.config import Config
+from streamrl.models import lora
 from streamrl.models.tiny import load_policy
 from streamrl.models.logprobs import model_logprobs
 from streamrl.trainer import losses
@@ -251,14 +252,20 @@ class Trainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = self.tokenizer.pad_token_id
         self.temperature = cfg.generation.temperature
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
-        self.ref = None
-        if self.tcfg.kl_coef > 0:
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.critic = self.critic_old = self.critic_opt = None
-        if self.tcfg.algo == "ppo":
+        if self.tcfg.algo == "ppo":  # the critic is a full model in both cases, copied from the base policy
             self.critic = ValueModel(self.model)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=self.tcfg.critic_lr)
+        self.lora = self.tcfg.lora.rank > 0
+        if self.lora:  # peft freezes the base weights; the optimizer sees only the adapters
+            self.model = lora.wrap(self.model, self.tcfg.lora)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        # KL's reference: a frozen copy, or with LoRA the same weights with the adapter switched off
+        self.ref = None
+        self.use_ref = self.tcfg.kl_coef > 0
+        if self.use_ref and not self.lora:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.version = 0
         self.steps = 0
 
@@ -282,7 +289,7 @@ class Trainer:
         groups costs a few batched passes instead of one small pass per group, and a long sample
         does not pad the short ones."""
         out = prepare_samples(self.cfg, groups)
-        if self.ref is None and self.critic is None:
+        if not self.use_ref and self.critic is None:
             return out
         if self.critic is not None and self.critic_old is None:
             self.begin_iteration()
@@ -291,10 +298,22 @@ class Trainer:
             self._prepare_forward(mb)
         return out
 
+    def _ref_logprobs(self, ids, attn) -> torch.Tensor:
+        """The reference policy's log-probs: the frozen copy, or the base model under the adapters."""
+        if not self.lora:
+            return model_logprobs(self.ref, ids, attn, self.temperature)[0]
+        was_training = self.model.training
+        self.model.eval()  # no adapter dropout; the reference is deterministic
+        try:
+            with self.model.disable_adapter():
+                return model_logprobs(self.model, ids, attn, self.temperature)[0]
+        finally:
+            self.model.train(was_training)
+
     def _prepare_forward(self, items: list[Prepared]) -> None:
         ids, attn, mask = _pad(items, self.pad_id)
-        if self.ref is not None:
-            ref_lp, _ = model_logprobs(self.ref, ids, attn, self.temperature)
+        if self.use_ref:
+            ref_lp = self._ref_logprobs(ids, attn)
             for i, p in enumerate(items):
                 p.ref_logprobs = ref_lp[i, p.resp_start - 1: p.num_tokens - 1].tolist()
         if self.critic is not None:
@@ -302,7 +321,7 @@ class Trainer:
             rewards = torch.zeros_like(mask)
             for i, p in enumerate(items):
                 rewards[i, p.num_tokens - 2] = p.reward
-            if self.ref is not None:
+            if self.use_ref:
                 ref = _per_token(items, "ref_logprobs", ids.shape[1])
                 old = _per_token(items, "old_logprobs", ids.shape[1])
                 rewards = rewards - self.tcfg.kl_coef * losses.kl_penalty(old, ref, mask, kind="k1")
@@ -351,7 +370,7 @@ class Trainer:
         metrics["train/entropy"] = float(losses.masked_mean(entropy.detach(), mask))
         if self.tcfg.entropy_coef > 0:  # the bonus: higher entropy lowers the loss
             loss = loss - self.tcfg.entropy_coef * (entropy * mask).sum() / total_tokens
-        if self.ref is not None and self.tcfg.algo == "grpo":
+        if self.use_ref and self.tcfg.algo == "grpo":
             ref = _per_token(mb, "ref_logprobs", width)
             kl = losses.kl_penalty(logp, ref, mask, kind=self.tcfg.kl_estimator)
             kl_loss = kl.sum() / total_tokens
@@ -385,7 +404,18 @@ class Trainer:
         return self.version
 
     # ------------------------------------------------------------------------------ weights, state
+    def plain_copy(self) -> nn.Module:
+        """A copy of the policy for an engine in this process; with LoRA the base model alone (the
+        engine merges each adapter version into it)."""
+        if self.lora:
+            return copy.deepcopy(self.model).unload()
+        return copy.deepcopy(self.model)
+
     def policy_state(self) -> dict[str, torch.Tensor]:
+        """What the engines install: the whole state dict, or with LoRA the adapter alone
+        (``models.lora.adapter_tensors``)."""
+        if self.lora:
+            return {k: v.clone() for k, v in lora.adapter_tensors(self.model).items()}
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def publish(self):
@@ -397,7 +427,8 @@ class Trainer:
 
             w = self.cfg.weights
             self._publisher = WeightPublisher(w.wire_dtype, w.delta, w.bucket_mb)
-        return self._publisher.publish(self.model.state_dict(), self.version)
+        state = lora.adapter_tensors(self.model) if self.lora else self.model.state_dict()
+        return self._publisher.publish(state, self.version)
 
     def delta_fraction(self) -> float | None:
         """Bytes of the last published delta over a full copy (None before the second publish)."""
@@ -415,7 +446,9 @@ class Trainer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {
-            "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+            # with LoRA the adapters alone: the base weights are policy.path's, unchanged
+            "model": lora.trainable_state(self.model) if self.lora else self.model.state_dict(),
+            "opt": self.opt.state_dict(),
             "critic": self.critic.state_dict() if self.critic is not None else None,
             "critic_opt": self.critic_opt.state_dict() if self.critic_opt is not None else None,
             "version": self.version, "steps": self.steps,
@@ -430,7 +463,10 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> dict:
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
+        if self.lora:
+            lora.load_trainable_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])

@@ -324,6 +324,11 @@ class GenerationEngine(ABC):
         """Install new weights in place and set ``version``. In-flight requests keep their
         KV cache and continue with the new weights. Returns once the new weights are live."""
 
+    def update_adapter(self, adapter: dict[str, "torch.Tensor"], scaling: float, version: int) -> None:
+        """Install a LoRA adapter (``models.lora.adapter_tensors``: ``<module>.lora_A``/``.lora_B``)
+        in place of the one this engine holds, as ``version``; the base weights stay."""
+        raise NotImplementedError(f"{type(self).__name__} cannot apply LoRA adapters")
+
     @abstractmethod
     def num_pending(self) -> int:
         """Requests added but not yet returned by ``get_completions`` (queued + running +

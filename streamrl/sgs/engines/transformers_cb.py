@@ -127,6 +127,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         # Versions: (perf_counter at install, version), appended inside the pause.
         self._version_log: list[tuple[float, int]] = [(float("-inf"), initial_version)]
         self._wall_minus_perf = time.time() - time.perf_counter()
+        self._merger = None  # models.lora.AdapterMerger, made at the first adapter update
 
         self._manager.start()  # calls torch.manual_seed (process-wide); sampling uses the global torch RNG
         self._drain_thread = threading.Thread(target=self._drain_loop, name=f"cb-drain-{instance}", daemon=True)
@@ -278,6 +279,25 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self._check_version(version)
         targets = _match_state_dict(self.model, state_dict)
+
+        def write():
+            for name, dst in targets.items():
+                dst.copy_(state_dict[name])
+
+        self._install(version, write)
+
+    def update_adapter(self, adapter: dict[str, torch.Tensor], scaling: float, version: int) -> None:
+        from streamrl.models.lora import AdapterMerger
+
+        self._check_version(version)
+        if self._merger is None:
+            self._merger = AdapterMerger(self.model, scaling)
+        targets = self._merger.check(adapter)
+        self._install(version, lambda: self._merger.merge(adapter, targets))
+
+    def _install(self, version: int, write) -> None:
+        """Run ``write`` (it changes the weights in place) with the loop parked between two steps,
+        and record ``version`` for every request in flight."""
         with self._lock:
             self._raise_if_unusable()
         t0 = time.perf_counter()
@@ -285,8 +305,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             t1 = time.perf_counter()
             # Under _lock: a request admitted during the copy is stamped with the new version.
             with self._lock, torch.no_grad():
-                for name, dst in targets.items():
-                    dst.copy_(state_dict[name])
+                write()
                 active = self._active_states()
                 for cb_id in self._inflight:  # tokens sampled so far keep their version, the rest get this one
                     state = active.get(cb_id)
