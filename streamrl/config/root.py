@@ -102,6 +102,9 @@ class Config(_Section):
         if self.trainer.backend != "single":
             raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank} needs trainer.backend=single "
                              f"(got {self.trainer.backend!r}: the FSDP2 group does not train adapters yet)")
+        if self.ranker.name == "reweighted":
+            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank} with ranker.name='reweighted': that ranker "
+                             "scores with full policy weights and does not apply adapters yet")
         return self
 
     @model_validator(mode="after")

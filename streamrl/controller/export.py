@@ -1,5 +1,6 @@
 """The trained policy as a standard Hugging Face checkpoint (model, tokenizer with its chat
-template, generation config) in ``policy.save_dtype``."""
+template, generation config) in ``policy.save_dtype``; with LoRA, the adapter in peft's format
+and, on request, the base model with the adapter merged in."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def export_policy(src: Path, dst: Path, dtype: str) -> Path:
     template, generation config) in ``dtype``; written beside, then moved into place."""
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if dtype == "float32":  # the trainer saves fp32 master weights
+    if dtype == "float32" or (src / "adapter_config.json").is_file():  # fp32 master weights, or an adapter
         shutil.copytree(src, tmp)
     else:
         import torch
@@ -31,6 +32,26 @@ def export_policy(src: Path, dst: Path, dtype: str) -> Path:
         for f in src.iterdir():
             if not (tmp / f.name).exists() and f.is_file():
                 shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.replace(dst)
+    return dst
+
+
+def export_merged(base: Path, adapter: Path, dst: Path, dtype: str) -> Path:
+    """``base`` with the peft adapter at ``adapter`` merged in, saved at ``dst`` in ``dtype`` (with
+    the adapter directory's tokenizer files); written beside, then moved into place."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.to(getattr(torch, dtype)).save_pretrained(tmp)
+    for f in list(base.iterdir()) + list(adapter.iterdir()):  # tokenizer, generation config, chat template
+        if f.is_file() and not f.name.startswith("adapter_") and f.suffix != ".safetensors" and not (tmp / f.name).exists():
+            shutil.copy2(f, tmp / f.name)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.replace(dst)
     return dst

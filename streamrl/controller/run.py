@@ -19,7 +19,7 @@ from streamrl.config import Config, dump_config
 from streamrl.controller.checkpoints import Checkpoints
 from streamrl.controller.common import PromptStream
 from streamrl.controller.evaluation import evaluate
-from streamrl.controller.export import export_policy, save_dtype
+from streamrl.controller.export import export_merged, export_policy, save_dtype
 from streamrl.controller.prompts import usable_prompts
 from streamrl.controller.setup import RunContext, ensure_policy, init_ray, make_pipeline, ray_resources
 from streamrl.controller.stats import pipeline_stats, reward_trend, sample_metrics, system_metrics
@@ -42,7 +42,6 @@ class Run:
         from streamrl.models.tiny import load_tokenizer
 
         cfg, out = self.cfg, self.out
-        (out / "config.yaml").write_text(dump_config(cfg))
         ensure_policy(cfg, self.echo)
         from streamrl.controller.preflight import check_fits
         from streamrl.models.hf import resolve_policy_path
@@ -52,6 +51,7 @@ class Run:
             from streamrl.models.lora import check_targets
 
             check_targets(cfg, resolve_policy_path(cfg.policy.path))
+        (out / "config.yaml").write_text(dump_config(cfg))  # once the checks pass: a refused run leaves nothing
         tokenizer = load_tokenizer(cfg.policy.path)
         task = make_task(cfg)
         self.ctx = RunContext(cfg, task, tokenizer, self.reward)
@@ -150,6 +150,11 @@ class Run:
         lineage = pipeline.lineage()
         (out / "lineage.json").write_text(json.dumps(lineage))  # what the final weights were trained on
         final = export_policy(self.checkpoints.path / "policy", out / "policy", save_dtype(cfg))
+        merged = None
+        if cfg.trainer.lora.rank > 0 and cfg.trainer.lora.export_merged:
+            from streamrl.models.hf import resolve_policy_path
+
+            merged = export_merged(resolve_policy_path(cfg.policy.path), final, out / "policy-merged", save_dtype(cfg))
         rewards = self.logger.series["reward/mean"]
         summary = {"before": self.before, "after": after, "rl_seconds": rl_seconds, "iterations": cfg.run.iterations,
                    "rewards": rewards, "reward_trend": reward_trend(rewards),
@@ -162,7 +167,11 @@ class Run:
             self.sample_log.close()
         self.ctx.reward_runner.close()
         self.logger.close()
-        self.echo(f"trained policy: {final} (a Hugging Face checkpoint: AutoModelForCausalLM.from_pretrained loads it)")
+        if cfg.trainer.lora.rank > 0:
+            self.echo(f"trained adapter: {final} (peft: PeftModel.from_pretrained(base, path) loads it)"
+                      + (f"; merged policy: {merged}" if merged else ""))
+        else:
+            self.echo(f"trained policy: {final} (a Hugging Face checkpoint: AutoModelForCausalLM.from_pretrained loads it)")
         return summary
 
     def _peak_memory(self) -> dict[str, float]:

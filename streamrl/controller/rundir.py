@@ -20,7 +20,7 @@ from streamrl.errors import UserError
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "timeline.json", "timeline.jsonl", "gantt.png", "samples.jsonl", "config.yaml", "mlflow.db",
              "lineage.json", "faults.jsonl")
-RUN_DIRS = ("checkpoint", "checkpoints", "policy", "policy.tmp", "tensorboard", "wandb")
+RUN_DIRS = ("checkpoint", "checkpoints", "policy", "policy.tmp", "policy-merged", "policy-merged.tmp", "tensorboard", "wandb")
 LOCK = ".lock"
 
 
