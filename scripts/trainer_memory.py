@@ -22,6 +22,22 @@ def peak_gb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
 
 
+def published_bytes(tr) -> int:
+    if getattr(tr, "lora", False):
+        from streamrl.models.lora import adapter_tensors
+
+        state = adapter_tensors(tr.model)
+    else:
+        state = tr.model.state_dict()
+    seen, total = set(), 0
+    for t in state.values():  # tied tensors travel once
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * 4
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--policy", required=True)
@@ -29,14 +45,18 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0 = every weight)")
+    ap.add_argument("--lr", type=float, default=1e-5)
     a = ap.parse_args()
     from streamrl.config import load_config
     from streamrl.trainer.trainer import Prepared, Trainer, set_group_advantages
 
     overrides = [f"policy.path={a.policy}", f"trainer.threads={a.threads}",
-                 f"trainer.micro_batch_tokens={a.micro_batch_tokens}", "trainer.lr=1e-5"]
+                 f"trainer.micro_batch_tokens={a.micro_batch_tokens}", f"trainer.lr={a.lr}"]
     if a.activation_checkpointing:
         overrides.append("trainer.activation_checkpointing=true")
+    if a.lora_rank:
+        overrides.append(f"trainer.lora.rank={a.lora_rank}")
     tr = Trainer(load_config(None, overrides))
     vocab = tr.model.config.vocab_size
     rng = random.Random(0)
@@ -58,7 +78,10 @@ def main() -> None:
         dt = time.time() - t0
         rows.append({"tokens": sum(p.num_tokens for p in items), "seconds": dt})
     print(json.dumps({"policy": a.policy, "threads": a.threads, "micro_batch_tokens": a.micro_batch_tokens,
-                      "activation_checkpointing": a.activation_checkpointing,
+                      "activation_checkpointing": a.activation_checkpointing, "lora_rank": a.lora_rank,
+                      "trainable": sum(p.numel() for p in tr.model.parameters() if p.requires_grad),
+                      # what one weight update publishes, in float32 (the whole state, or the adapter)
+                      "update_bytes": published_bytes(tr),
                       "parameters": sum(p.numel() for p in tr.model.parameters()),
                       "tokens_per_s": [round(r["tokens"] / r["seconds"], 1) for r in rows],
                       "peak_rss_gb": round(peak_gb(), 2)}))

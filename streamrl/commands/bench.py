@@ -107,6 +107,8 @@ def _register_weights(bsub) -> None:
     w.add_argument("--kv-heads", type=int, default=4)
     w.add_argument("--intermediate", type=int, default=2048,
                    help="with the defaults above: a 100M-parameter Qwen2 shape, 400 MB fp32, 200 MB bf16")
+    w.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank and send only them "
+                                                           "(0 = every weight)")
     w.add_argument("--updates", type=int, default=3, help="timed updates per method (3)")
     w.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of the timed updates (1e-6)")
     w.add_argument("--demo-lr", type=float, default=None,
@@ -164,6 +166,7 @@ def run_weights(args) -> int:
     args.passthrough = [f"--per-node={args.per_node}", f"--vocab={args.vocab}", f"--hidden={args.hidden}",
                         f"--layers={args.layers}", f"--heads={args.heads}", f"--kv-heads={args.kv_heads}",
                         f"--intermediate={args.intermediate}", f"--updates={args.updates}", f"--lr={args.lr}",
+                        f"--lora-rank={args.lora_rank}",
                         f"--wire={args.wire}", f"--bucket-mb={args.bucket_mb}", f"--fanout={args.fanout}",
                         f"--methods={','.join(args.methods)}", f"--threads={args.threads}", f"--seed={args.seed}"]
     if args.demo_lr:
@@ -171,7 +174,8 @@ def run_weights(args) -> int:
     result = bench_weights(args)
     rows = [{**r, "site_bytes_per_update": ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in r["site_bytes_per_update"].items())}
             for r in result["rows"]]
-    print_table(f"bench weights: {result['params'] / 1e6:.0f}M parameters, {result['wire_dtype']} on the wire, "
+    lora = f", LoRA rank {args.lora_rank} (adapters only)" if args.lora_rank else ""
+    print_table(f"bench weights: {result['params'] / 1e6:.0f}M parameters{lora}, {result['wire_dtype']} on the wire, "
                 f"AdamW lr {result['lr']:g}, trainer in {result['trainer'][1]}, "
                 f"{len(result['receivers'])} receivers in {sorted({s for _, s in result['receivers'].values()})}",
                 rows, ["method", "model_bytes", "planned_copies", "slow_link_bytes_per_update",

@@ -65,7 +65,7 @@ def scale(lora_cfg) -> float:
     return lora_cfg.alpha / lora_cfg.rank
 
 
-def _base_name(peft_name: str) -> str | None:
+def adapter_key(peft_name: str) -> str | None:
     """``base_model.model.X.lora_A.default.weight`` -> ``X.lora_A`` (None for any other tensor)."""
     for suffix in SUFFIXES:
         marker = suffix + "."
@@ -79,7 +79,7 @@ def adapter_tensors(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter of the default adapter slot, keyed ``<base module>.lora_A`` / ``.lora_B``."""
     out = {}
     for name, p in peft_model.named_parameters():
-        key = _base_name(name)
+        key = adapter_key(name)
         if key is not None:
             out[key] = p.detach()
     return out
@@ -87,13 +87,13 @@ def adapter_tensors(peft_model: nn.Module) -> dict[str, torch.Tensor]:
 
 def trainable_state(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors under their peft names (what a LoRA checkpoint holds)."""
-    return {k: v.detach().clone() for k, v in peft_model.state_dict().items() if _base_name(k) is not None}
+    return {k: v.detach().clone() for k, v in peft_model.state_dict().items() if adapter_key(k) is not None}
 
 
 def load_trainable_state(peft_model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load ``trainable_state``'s output; every adapter tensor must be there."""
     missing, unexpected = peft_model.load_state_dict(state, strict=False)
-    lost = [k for k in missing if _base_name(k) is not None]
+    lost = [k for k in missing if adapter_key(k) is not None]
     if unexpected or lost:
         raise KeyError(f"LoRA checkpoint does not match the model: missing {lost[:3]}, unexpected {unexpected[:3]}")
 

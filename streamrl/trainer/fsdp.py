@@ -9,7 +9,9 @@ Invariants: every rank runs the same number of micro-steps and takes the same de
 of the same item list, and one step's gradient equals the single-process token-mean gradient
 (``FSDPRank.train_step``); checkpoints are the single-process trainer's files, so they cross
 backends and world sizes; the weights reach the instances through the Ray object store, not
-NCCL. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or critic.
+NCCL. With ``trainer.lora`` the adapters are sharded with their layers and publish and checkpoint
+as the single trainer's do. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or
+critic.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.config import Config
+from streamrl.models import lora
 from streamrl.models.logprobs import token_logprobs
 from streamrl.trainer import losses
 from streamrl.trainer.schedule import lr_for_step, set_lr
@@ -121,9 +124,13 @@ class FSDPRank:
         self.pad_id = self.tokenizer.pad_token_id
         if torch.cuda.is_available() and backend == "nccl":
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
-        shard_policy(self.model, self.param_dtype)
+        self.lora = self.tcfg.lora.rank > 0
+        if self.lora:  # adapters on every rank (seeded alike), sharded with the layer they belong to
+            self.model = lora.wrap(self.model, self.tcfg.lora)
+        shard_policy(self.model.get_base_model() if self.lora else self.model, self.param_dtype)
         # fully_shard swaps in DTensor parameters: the optimizer must be built on those.
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay)
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.tcfg.lr,
+                                     weight_decay=self.tcfg.weight_decay)
         self._device = next(self.model.parameters()).device
         return backend
 
@@ -188,6 +195,13 @@ class FSDPRank:
         call it on every rank."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.lora:  # the adapter alone, as the single trainer publishes it (one all-gather per tensor)
+            out = {}
+            for name, p in self.model.named_parameters():
+                key = lora.adapter_key(name)
+                if key is not None:
+                    out[key] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            return out if self.rank == 0 else {}
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def publish(self, version: int):
@@ -220,7 +234,9 @@ class FSDPRank:
         if self.rank == 0:
             path = Path(path)
             path.mkdir(parents=True, exist_ok=True)
-            names = [n for n, _ in self.model.named_parameters()]
+            if self.lora:  # the adapters alone (the base weights are policy.path's)
+                model_sd = {k: v for k, v in model_sd.items() if lora.adapter_key(k) is not None}
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
             index = {n: i for i, n in enumerate(names)}
             opt_sd = {"state": {index[n]: v for n, v in opt_sd["state"].items()},
                       "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in opt_sd["param_groups"]]}
@@ -243,11 +259,12 @@ class FSDPRank:
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
         if state.get("critic") is not None:
             raise ValueError(f"{path}: a PPO checkpoint (it has a critic); the FSDP2 trainer trains GRPO only")
-        names = [n for n, _ in self.model.named_parameters()]
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         opt_sd = {"state": {names[i]: v for i, v in state["opt"]["state"].items()},
                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["opt"]["param_groups"]]}
+        # strict=False with LoRA: the checkpoint holds the adapters, the base weights are loaded already
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=opt_sd,
-                       options=StateDictOptions(full_state_dict=True))
+                       options=StateDictOptions(full_state_dict=True, strict=not self.lora))
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])

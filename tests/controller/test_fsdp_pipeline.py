@@ -77,18 +77,21 @@ REWARDS = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
 
 
 @pytest.mark.slow
-def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_session, tiny_policy_dir, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_session, tiny_policy_dir, tmp_path, lora):
     """Same samples, same dynamic batches: an fsdp trainer fed group by group (stream-sync) and a
     single-process one fed the whole batch (disagg-batch) end the iteration with the same
-    parameters and publish the same flat buffer; checkpoints cross between the backends and the
-    optimizer state comes along (a second iteration after resuming still matches)."""
+    parameters and publish the same flat buffer (with LoRA: the same adapter); checkpoints cross
+    between the backends and the optimizer state comes along (a second iteration after resuming
+    still matches)."""
     import torch
 
     from streamrl.trainer.trainer import Trainer
     from streamrl.weights.flat import unflatten
     from streamrl.weights.transfer import RayObjectStoreTransport
 
-    common = ["mode=stream-sync", "trainer.step_tokens=30", "trainer.lr=1e-3", "trainer.grad_clip=1000"]
+    common = ["mode=stream-sync", "trainer.step_tokens=30", "trainer.lr=1e-3", "trainer.grad_clip=1000",
+              *(["trainer.lora.rank=4"] if lora else [])]
     single = IterationTrainer(_cfg(tiny_policy_dir, *common), 1, 1)
     fsdp = IterationTrainer(_cfg(tiny_policy_dir, *common, *FSDP), 1, 1)
     try:
@@ -104,8 +107,9 @@ def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_sessi
         np.testing.assert_allclose(fsdp.parameters_vector(), after, atol=2e-6, rtol=0)
         assert sorted(fsdp.drain_trained_ids()) == sorted(single.drain_trained_ids())
         published = unflatten(RayObjectStoreTransport().fetch(res_fsdp.handle))  # put by rank 0
-        assert published.keys() == single.trainer.model.state_dict().keys()
-        for name, ref in single.trainer.model.state_dict().items():
+        expected = single.trainer.policy_state()  # the whole state dict, or the adapter alone
+        assert published.keys() == expected.keys() and all(("lora_" in k) == lora for k in published)
+        for name, ref in expected.items():
             torch.testing.assert_close(published[name], ref, atol=2e-6, rtol=0, msg=lambda m: f"{name}: {m}")
 
         fsdp.save(str(tmp_path / "fsdp"), {"iteration": 0})  # gathered on rank 0, single-process format
@@ -115,7 +119,8 @@ def test_fsdp_group_trains_like_one_process_and_shares_its_checkpoints(ray_sessi
         assert sorted(extra["lineage"]) == sorted(single.get_lineage()) and reader.version == 1
         got = torch.cat([p.detach().flatten() for p in reader.model.parameters()]).numpy()
         np.testing.assert_array_equal(got, fsdp.parameters_vector())
-        assert len(reader.opt.state_dict()["state"]) == len(list(reader.model.parameters()))  # Adam moments too
+        trainable = [p for p in reader.model.parameters() if p.requires_grad]
+        assert len(reader.opt.state_dict()["state"]) == len(trainable)  # Adam moments too
 
         single.save(str(tmp_path / "single"), {"iteration": 0})
         fsdp.add_groups(1, groups, expected=len(groups))  # moves on: weights and Adam moments diverge

@@ -43,14 +43,20 @@ class BenchTrainer:
     """Real optimizer steps (AdamW, next-token loss on seeded random sequences) on a model of
     the configured size, and the trainer's weight publisher."""
 
-    def __init__(self, cfg_kwargs: dict, lr: float, seed: int, threads: int) -> None:
+    def __init__(self, cfg_kwargs: dict, lr: float, seed: int, threads: int, lora_rank: int = 0) -> None:
         import torch
         from transformers import Qwen2ForCausalLM
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.model = Qwen2ForCausalLM(model_config(**cfg_kwargs))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.lora = lora_rank > 0
+        if self.lora:  # the trainer's LoRA path: peft adapters, and only they are published
+            from streamrl.config import LoraConfig
+            from streamrl.models.lora import wrap
+
+            self.model = wrap(self.model, LoraConfig(rank=lora_rank))
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
         self.gen = torch.Generator().manual_seed(seed)
         self.version = 0
         self.publisher = None
@@ -79,7 +85,10 @@ class BenchTrainer:
         return time.perf_counter() - t0
 
     def publish(self):
-        return self.publisher.publish(self.model.state_dict(), self.version)
+        from streamrl.models.lora import adapter_tensors
+
+        state = adapter_tensors(self.model) if self.lora else self.model.state_dict()
+        return self.publisher.publish(state, self.version)
 
     def delta_fraction(self) -> float | None:
         return self.publisher.last_delta_fraction
@@ -94,7 +103,7 @@ class WeightSink:
     install copy (``WeightReceiver`` + a copy into a model of the same shape, which is what
     pauses an engine; ``sgs.instance.GenerationInstance.update``)."""
 
-    def __init__(self, name: str, cfg_kwargs: dict, bucket_mb: float) -> None:
+    def __init__(self, name: str, cfg_kwargs: dict, bucket_mb: float, lora_rank: int = 0) -> None:
         import torch
         from transformers import Qwen2ForCausalLM
 
@@ -104,6 +113,12 @@ class WeightSink:
         self.name = name
         self.model = Qwen2ForCausalLM(model_config(**cfg_kwargs))
         self.params = self.model.state_dict()
+        self.merger = None
+        if lora_rank:  # the engine's LoRA install: each adapter merged into the base weights in place
+            from streamrl.config import LoraConfig
+            from streamrl.models.lora import AdapterMerger, scale
+
+            self.merger = AdapterMerger(self.model, scale(LoraConfig(rank=lora_rank)))
         self.receiver = WeightReceiver(name, keep=True, bucket_mb=bucket_mb)
 
     def reset(self) -> None:
@@ -121,9 +136,13 @@ class WeightSink:
         handle = resolve(handle)
         fw, rec = self.receiver.receive(handle)
         t1 = time.perf_counter()
-        with torch.no_grad():
-            for name, t in unflatten(fw).items():
-                self.params[name].copy_(t)
+        state = unflatten(fw)
+        if self.merger is not None:
+            self.merger.merge(state, self.merger.check(state))
+        else:
+            with torch.no_grad():
+                for name, t in state.items():
+                    self.params[name].copy_(t)
         out = {"name": self.name, "kind": rec.kind, "bytes": rec.bytes, "link": rec.link, "src": rec.src,
                "fetch_start": rec.start, "fetch_s": rec.seconds, "apply_s": rec.apply_s,
                "load_s": time.perf_counter() - t1}
@@ -176,10 +195,10 @@ def run_inside(cluster_name: str, args) -> dict:
     kw = dict(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
               intermediate=args.intermediate)
     trainer = BenchTrainer.options(resources={f"node_{cl.site_nodes(home.name)[0].name}": 0.001}).remote(
-        kw, args.lr, args.seed, args.threads)
+        kw, args.lr, args.seed, args.threads, args.lora_rank)
     sinks = {}
     for i, node in enumerate(n for n in cl.site_nodes(remote.name) for _ in range(args.per_node)):
-        sinks[f"gen-{i}"] = WeightSink.options(resources={f"node_{node.name}": 0.001}).remote(f"gen-{i}", kw, args.bucket_mb)
+        sinks[f"gen-{i}"] = WeightSink.options(resources={f"node_{node.name}": 0.001}).remote(f"gen-{i}", kw, args.bucket_mb, args.lora_rank)
     params = ray.get(trainer.params.remote())
     ray.get(trainer.configure.remote(args.wire, False, args.bucket_mb))
     source = ray.get(trainer.location.remote())
@@ -220,7 +239,7 @@ def run_inside(cluster_name: str, args) -> dict:
             ray.get(trainer.publish.remote())
             fractions.append(ray.get(trainer.delta_fraction.remote()))
         demo = {"lr": args.demo_lr, "delta_fractions": fractions[1:]}
-    return {"cluster": cl.to_json(), "params": params, "wire_dtype": args.wire, "lr": args.lr, "rows": rows,
+    return {"cluster": cl.to_json(), "params": params, "lora_rank": args.lora_rank, "wire_dtype": args.wire, "lr": args.lr, "rows": rows,
             "updates": updates, "demo_lr": demo, "receivers": {n: [loc.node, loc.site] for n, loc in where.items()},
             "trainer": [source.node, source.site]}
 
