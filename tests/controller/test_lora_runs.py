@@ -72,7 +72,8 @@ def test_a_lora_run_trains_exports_a_peft_adapter_and_resumes(ray_session, tiny_
 
     out = tmp_path / "run"
     args = [f"run.out_dir={out}", f"mode={mode}", "generation.prompts_per_iter=4", "run.eval_samples=1",
-            "logging.backends=[jsonl]", "trainer.lr=5e-3", "cluster.num_cpus=2"]
+            "logging.backends=[jsonl]", "trainer.lr=5e-3", "cluster.num_cpus=2",
+            "weights.wire_dtype=bfloat16", "weights.delta=true"]  # bf16 and deltas on the adapter too
     first = train(_cfg(tiny_policy_dir, *args, "run.iterations=2"), echo=lambda *a: None, reward_fn=parity)
     assert first["trained_samples_unique"] == 2 * 4 * 2
     saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
@@ -91,5 +92,6 @@ def test_a_lora_run_trains_exports_a_peft_adapter_and_resumes(ray_session, tiny_
         torch.testing.assert_close(merged(x).logits, adapted(x).logits, atol=1e-4, rtol=0)
     if mode != "colocated":
         fetches = [e for e in json.loads((out / "timeline.json").read_text())["events"] if e["what"] == "weight_fetch"]
-        adapter = sum(v.numel() * 4 for v in resumed["model"].values())
+        adapter = sum(v.numel() * 2 for v in resumed["model"].values())  # bf16
         assert fetches and all(e["meta"]["bytes"] <= adapter + 4096 for e in fetches)
+        assert {e["meta"]["kind"] for e in fetches} >= {"full", "delta"}  # after the first copy, deltas
