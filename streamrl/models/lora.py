@@ -5,7 +5,8 @@
   ``<module>.lora_B`` under the base model's module names, nothing else.
 - An instance keeps the base weights and merges each version in place (``AdapterMerger``):
   W += s (B A) - s (B' A') where B' A' is the adapter it holds, so decoding costs what the base
-  model costs and no second copy of the weights is kept.
+  model costs and no second copy of the weights is kept. vLLM, which reloads whole tensors,
+  gets ``merged_weights`` computed from the checkpoint's base tensors.
 """
 
 from __future__ import annotations
@@ -96,6 +97,25 @@ def load_trainable_state(peft_model: nn.Module, state: dict[str, torch.Tensor]) 
     lost = [k for k in missing if adapter_key(k) is not None]
     if unexpected or lost:
         raise KeyError(f"LoRA checkpoint does not match the model: missing {lost[:3]}, unexpected {unexpected[:3]}")
+
+
+def merged_weights(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scaling: float
+                   ) -> dict[str, torch.Tensor]:
+    """The weights of the modules ``adapter`` targets, ``W0 + scaling * B @ A``, from ``base`` (the
+    checkpoint's tensors by name), for an engine that can only load whole tensors."""
+    out = {}
+    for key in adapter:
+        module = key.rsplit(".", 1)[0]
+        if module + ".weight" in out:
+            continue
+        w0 = base.get(module + ".weight")
+        if w0 is None:
+            raise KeyError(f"update_adapter: {module!r} has no weight in the checkpoint")
+        a, b = adapter.get(module + ".lora_A"), adapter.get(module + ".lora_B")
+        if a is None or b is None:
+            raise KeyError(f"update_adapter: {module!r} needs both lora_A and lora_B")
+        out[module + ".weight"] = torch.addmm(w0.float(), b.float(), a.float(), alpha=scaling).to(w0.dtype)
+    return out
 
 
 class AdapterMerger:

@@ -343,6 +343,31 @@ def test_admission_follows_priority_when_more_requests_than_slots(engine_factory
     assert order == ["first", "p5", "p3", "p3-later", "p1", "p0"]  # larger first, ties FIFO
 
 
+def test_a_lora_adapter_update_gives_the_adapted_models_logprobs(checkpoint, engine_factory):
+    """The engine applies the adapter it is given (a merge into its weights): its log-probs become
+    the peft model's under that adapter, and a second adapter replaces the first entirely."""
+    from streamrl.config import LoraConfig
+    from streamrl.models import lora
+
+    cfg = LoraConfig(rank=4, alpha=8)
+    adapted = lora.wrap(load_model(checkpoint), cfg).eval()
+    e = engine_factory()
+    for version, seed in ((1, 1), (2, 2)):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in adapted.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        e.update_adapter(lora.adapter_tensors(adapted), lora.scale(cfg), version)
+        e.add_request(req(f"r{version}", 24))
+        (c,) = collect(e, 1)
+        assert c.version_start == version
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref_logprobs(adapted, c), atol=ATOL, rtol=0)
+        with torch.no_grad(), adapted.disable_adapter():
+            base = ref_logprobs(adapted, c)
+        assert (torch.tensor(c.logprobs) - base).abs().max() > 1e-2  # not the base model's
+
+
 def test_update_weights_rejects_wrong_names_and_shapes(backend, checkpoint, engine_factory):
     e = engine_factory()
     sd = load_model(checkpoint).state_dict()

@@ -369,6 +369,19 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             self._stats["gen/pause_wait_s"] += marks["start"] - t1
             self._stats["gen/weight_update_s"] += t2 - t0
 
+    def update_adapter(self, adapter: dict[str, Any], scaling: float, version: int) -> None:
+        """A LoRA version as merged weights: each adapted module's base tensor (read from the staged
+        checkpoint, memory-mapped) plus ``scaling * B @ A``, reloaded like a full update. Only the
+        adapter crossed the network; the merge happens here."""
+        from safetensors.torch import load_file
+
+        from streamrl.models.lora import merged_weights
+
+        base: dict[str, Any] = {}
+        for f in sorted(self._checkpoint.glob("*.safetensors")):
+            base.update(load_file(f))
+        self.update_weights({**base, **merged_weights(base, adapter, scaling)}, version)
+
     def _check_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Names and shapes against the checkpoint's; returns the tensors to write (with the tied
         head added when only the embedding was sent)."""
