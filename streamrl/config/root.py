@@ -93,13 +93,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _lora_fits(self) -> "Config":
-        """LoRA adapters are merged by the transformers engine (vLLM instances do not take them yet)."""
-        if self.trainer.lora.rank == 0:
-            return self
-        if self.generation.engine != "transformers":
-            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank} needs generation.engine=transformers "
-                             f"(got {self.generation.engine!r}: vLLM instances do not apply adapters yet)")
-        if self.ranker.name == "reweighted":
+        """Every engine and trainer backend takes LoRA; the reweighted ranker does not yet."""
+        if self.trainer.lora.rank > 0 and self.ranker.name == "reweighted":
             raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank} with ranker.name='reweighted': that ranker "
                              "scores with full policy weights and does not apply adapters yet")
         return self

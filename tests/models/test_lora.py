@@ -39,13 +39,12 @@ def test_default_targets_are_every_linear_layer_but_the_head_and_unknown_names_a
         lora.target_modules(LoraConfig(rank=4, target_modules=["q_proj", "qkv_proj"]), model)
 
 
-def test_lora_is_refused_where_it_is_not_built_yet():
-    with pytest.raises(ConfigError, match="trainer.lora.rank=8 needs generation.engine=transformers"):
-        load_config(None, ["trainer.lora.rank=8", "generation.engine=vllm"])
+def test_lora_is_refused_only_with_the_reweighted_ranker():
     with pytest.raises(ConfigError, match="ranker.name='reweighted': that ranker scores with full policy weights"):
         load_config(None, ["trainer.lora.rank=8", "ranker.name=reweighted"])
     assert load_config(None, ["trainer.lora.rank=8"]).trainer.lora.rank == 8
     assert load_config(None, ["trainer.lora.rank=8", "trainer.backend=fsdp", "mode=stream-async"]).trainer.lora.rank == 8
+    assert load_config(None, ["trainer.lora.rank=8", "generation.engine=vllm"]).trainer.lora.rank == 8
 
 
 def test_the_published_adapter_holds_only_adapter_tensors_named_after_the_base_modules():
