@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 
 from streamrl.weights.delta import Delta, apply_delta, checksum, make_delta
-from streamrl.weights.flat import FlatWeights, flatten, storage_key
+from streamrl.weights.flat import FlatWeights, flat_buckets, flatten, storage_key
 from streamrl.weights.transfer import WeightHandle, fetch_buffer, get_in_windows
 from streamrl.weights.tree import Location
 
@@ -138,6 +138,14 @@ class WeightPublisher:
         return self._location
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightHandle:
+        loc = self.location
+        if not self.delta:  # each bucket made and put in turn: no flat copy of the whole state is held
+            import ray
+
+            spec, total, buckets = flat_buckets(to_wire(state_dict, self.wire_dtype), self.bucket_bytes)
+            refs = tuple(ray.put(b) for b in buckets)
+            return WeightHandle(int(version), total, tuple(spec), "ray", list(refs), origin=self.name,
+                                origin_site=loc.site, origin_node=loc.node)
         fw = flatten(to_wire(state_dict, self.wire_dtype), version, {"src": self.name})
         delta_refs, base, delta_nbytes, crc = None, None, 0, None
         if self.delta:
@@ -149,7 +157,6 @@ class WeightPublisher:
             else:
                 crc = checksum(fw.buffer)
             self._prev = fw
-        loc = self.location
         return WeightHandle(fw.version, fw.nbytes, tuple(fw.spec), "ray", put_buckets(fw.buffer, self.bucket_bytes),
                             delta=delta_refs, base=base, delta_nbytes=delta_nbytes, checksum=crc, origin=self.name,
                             origin_site=loc.site, origin_node=loc.node)

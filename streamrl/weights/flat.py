@@ -118,12 +118,9 @@ def storage_key(t: torch.Tensor) -> tuple:
     return (t.device.type, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def flatten(state_dict: Mapping[str, torch.Tensor], version: int, meta: dict | None = None) -> FlatWeights:
-    """Copy every tensor of ``state_dict`` into one new aligned ``uint8`` buffer. Tensors that
-    are one storage under two names (tied embeddings) are stored once: both specs point at the
-    same bytes, so the buffer, and every transfer of it, carries them once. Exactly one copy of
-    every tensor into the buffer (plus a device->host copy for accelerator tensors, and a
-    contiguity copy for non-contiguous ones)."""
+def layout(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], list[tuple[TensorSpec, torch.Tensor]], int]:
+    """Where each tensor of ``state_dict`` goes in the flat buffer: every name's spec, the
+    tensors to copy (tied ones once: both specs point at the same bytes), and the total size."""
     spec: list[TensorSpec] = []
     offset = 0
     first: dict[tuple, int] = {}  # storage_key -> offset of its first name
@@ -141,11 +138,46 @@ def flatten(state_dict: Mapping[str, torch.Tensor], version: int, meta: dict | N
         if t.numel():
             first[key] = offset
         offset = _align(offset + ts.nbytes)
-    buffer = np.empty(offset, dtype=np.uint8)
+    return spec, copies, offset
+
+
+def flatten(state_dict: Mapping[str, torch.Tensor], version: int, meta: dict | None = None) -> FlatWeights:
+    """Copy every tensor of ``state_dict`` into one new aligned ``uint8`` buffer. Tensors that
+    are one storage under two names (tied embeddings) are stored once: both specs point at the
+    same bytes, so the buffer, and every transfer of it, carries them once. Exactly one copy of
+    every tensor into the buffer (plus a device->host copy for accelerator tensors, and a
+    contiguity copy for non-contiguous ones)."""
+    spec, copies, total = layout(state_dict)
+    buffer = np.empty(total, dtype=np.uint8)
     for ts, t in copies:
         if ts.numel:
             buffer[ts.offset : ts.offset + ts.nbytes] = _as_bytes(t)
     return FlatWeights(buffer, spec, int(version), dict(meta or {}))
+
+
+def flat_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int):
+    """``(spec, total, buckets)``: the bytes ``flatten`` would produce, as consecutive
+    ``bucket_bytes`` arrays made one at a time (``buckets`` is a generator), so a sender that
+    ships each bucket before asking for the next never holds the whole flat copy."""
+    spec, copies, total = layout(state_dict)
+
+    def buckets():
+        i = 0  # the first copy that may still reach into this bucket
+        for start in range(0, max(total, 1), bucket_bytes):
+            end = min(start + bucket_bytes, total)
+            out = np.zeros(end - start, dtype=np.uint8)  # zeros in the alignment gaps
+            while i < len(copies) and copies[i][0].offset + copies[i][0].nbytes <= start:
+                i += 1
+            for ts, t in copies[i:]:
+                if ts.offset >= end:
+                    break
+                if not ts.numel:
+                    continue
+                lo, hi = max(ts.offset, start), min(ts.offset + ts.nbytes, end)
+                out[lo - start:hi - start] = _as_bytes(t)[lo - ts.offset:hi - ts.offset]
+            yield out
+
+    return spec, total, buckets()
 
 
 def _view(fw: FlatWeights, ts: TensorSpec) -> torch.Tensor:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.weights.flat import ALIGN, FlatWeights, flatten, load_into, unflatten
+from streamrl.weights.flat import ALIGN, FlatWeights, flat_buckets, flatten, load_into, unflatten
 from streamrl.weights.transfer import (
     GlooBroadcastTransport,
     RayObjectStoreTransport,
@@ -46,6 +46,22 @@ def test_flatten_round_trip_is_bit_exact_for_mixed_dtypes():
     for k, v in sd.items():
         assert out[k].dtype == v.dtype and out[k].shape == v.shape, k
         assert torch.equal(out[k], v), k
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 128, 1 << 20])
+def test_buckets_made_one_at_a_time_hold_what_flatten_holds(bucket_bytes):
+    """Tensors that span bucket boundaries, a tied pair, a non-contiguous one: the buckets,
+    joined, unflatten to the same tensors under the same spec, and each is at most one bucket."""
+    sd = mixed_state_dict()
+    sd["tied"] = sd["a.weight"]
+    fw = flatten(sd, version=1)
+    spec, total, buckets = flat_buckets(sd, bucket_bytes)
+    parts = list(buckets)
+    assert spec == fw.spec and total == fw.nbytes and all(len(b) <= bucket_bytes for b in parts)
+    assert len(parts) == -(-total // bucket_bytes)
+    out = unflatten(FlatWeights(np.concatenate(parts), spec, 1))
+    for k, v in sd.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
 
 
 def test_unflatten_views_share_the_buffer_and_copy_does_not():
