@@ -88,13 +88,9 @@ class ColocatedWorker:
 
     def _install(self, version: int) -> None:
         """The trainer's weights into the engine: the whole state, or with LoRA the adapter."""
-        tr = self.trainer
-        if tr.lora:
-            from streamrl.models.lora import scale
+        from streamrl.models.lora import install
 
-            self.engine.update_adapter(tr.policy_state(), scale(tr.tcfg.lora), version)
-        else:
-            self.engine.update_weights(tr.policy_state(), version)
+        install(self.engine, self.trainer.policy_state(), version, self.trainer.tcfg.lora)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -46,11 +46,12 @@ class Run:
         from streamrl.controller.preflight import check_fits
         from streamrl.models.hf import resolve_policy_path
 
-        check_fits(cfg, resolve_policy_path(cfg.policy.path))  # before Ray: a model that cannot fit stops here
+        policy_path = resolve_policy_path(cfg.policy.path)
+        check_fits(cfg, policy_path)  # before Ray: a model that cannot fit stops here
         if cfg.trainer.lora.rank > 0:  # before Ray: an adapter on a module the model lacks stops here
             from streamrl.models.lora import check_targets
 
-            check_targets(cfg, resolve_policy_path(cfg.policy.path))
+            check_targets(cfg, policy_path)
         (out / "config.yaml").write_text(dump_config(cfg))  # once the checks pass: a refused run leaves nothing
         tokenizer = load_tokenizer(cfg.policy.path)
         task = make_task(cfg)

@@ -66,6 +66,15 @@ def scale(lora_cfg) -> float:
     return lora_cfg.alpha / lora_cfg.rank
 
 
+def install(engine, state: dict[str, torch.Tensor], version: int, lora_cfg) -> None:
+    """A published version into a generation engine: the whole state dict, or with LoRA on
+    (``lora_cfg.rank > 0``) the adapter, which the engine merges into its base weights."""
+    if lora_cfg.rank > 0:
+        engine.update_adapter(state, scale(lora_cfg), version)
+    else:
+        engine.update_weights(state, version)
+
+
 def adapter_key(peft_name: str) -> str | None:
     """``base_model.model.X.lora_A.default.weight`` -> ``X.lora_A`` (None for any other tensor)."""
     for suffix in SUFFIXES:
@@ -99,21 +108,29 @@ def load_trainable_state(peft_model: nn.Module, state: dict[str, torch.Tensor]) 
         raise KeyError(f"LoRA checkpoint does not match the model: missing {lost[:3]}, unexpected {unexpected[:3]}")
 
 
+def adapter_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{module: (A, B)}`` from published adapter tensors; a stray key or a half pair raises."""
+    pairs = {}
+    for key in adapter:
+        if not key.endswith(SUFFIXES):
+            raise KeyError(f"update_adapter: {key!r} is not an adapter tensor (<module>.lora_A or .lora_B)")
+        module = key.rsplit(".", 1)[0]
+        a, b = adapter.get(module + ".lora_A"), adapter.get(module + ".lora_B")
+        if a is None or b is None:
+            raise KeyError(f"update_adapter: {module!r} needs both lora_A and lora_B")
+        pairs[module] = (a, b)
+    return pairs
+
+
 def merged_weights(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scaling: float
                    ) -> dict[str, torch.Tensor]:
     """The weights of the modules ``adapter`` targets, ``W0 + scaling * B @ A``, from ``base`` (the
     checkpoint's tensors by name), for an engine that can only load whole tensors."""
     out = {}
-    for key in adapter:
-        module = key.rsplit(".", 1)[0]
-        if module + ".weight" in out:
-            continue
+    for module, (a, b) in adapter_pairs(adapter).items():
         w0 = base.get(module + ".weight")
         if w0 is None:
             raise KeyError(f"update_adapter: {module!r} has no weight in the checkpoint")
-        a, b = adapter.get(module + ".lora_A"), adapter.get(module + ".lora_B")
-        if a is None or b is None:
-            raise KeyError(f"update_adapter: {module!r} needs both lora_A and lora_B")
         out[module + ".weight"] = torch.addmm(w0.float(), b.float(), a.float(), alpha=scaling).to(w0.dtype)
     return out
 
@@ -133,16 +150,10 @@ class AdapterMerger:
     def check(self, adapter: dict[str, torch.Tensor]) -> dict[str, nn.Linear]:
         """The linear module each adapter pair targets, checking names and shapes first."""
         targets = {}
-        for key in adapter:
-            if not key.endswith(SUFFIXES):
-                raise KeyError(f"update_adapter: {key!r} is not an adapter tensor (<module>.lora_A or .lora_B)")
-            module = key.rsplit(".", 1)[0]
+        for module, (a, b) in adapter_pairs(adapter).items():
             layer = self._modules.get(module)
             if not isinstance(layer, nn.Linear):
                 raise KeyError(f"update_adapter: {module!r} is not a linear module of this model")
-            a, b = adapter.get(module + ".lora_A"), adapter.get(module + ".lora_B")
-            if a is None or b is None:
-                raise KeyError(f"update_adapter: {module!r} needs both lora_A and lora_B")
             out_f, in_f = layer.weight.shape
             if a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
                 raise ValueError(f"update_adapter: {module!r} adapter shapes {tuple(b.shape)} x {tuple(a.shape)} "

@@ -186,19 +186,14 @@ class GenerationInstance:
         generating; only the copy into the parameters pauses it. With ``relay``, the result
         carries a handle of this instance's own copy for the instances it feeds."""
         from streamrl.weights.engine import resolve
+        from streamrl.models.lora import install
         from streamrl.weights.flat import unflatten
 
         handle = resolve(handle)
         t0 = time.time()
         fw, rec = self.receiver.receive(handle)
         t1 = time.time()
-        lora = self.cfg_lora
-        if lora.rank > 0:  # the version is an adapter (models.lora): merged into the base weights
-            from streamrl.models.lora import scale
-
-            self.engine.update_adapter(unflatten(fw), scale(lora), version)
-        else:
-            self.engine.update_weights(unflatten(fw), version)
+        install(self.engine, unflatten(fw), version, self.cfg_lora)  # with LoRA: merged into the base weights
         t2 = time.time()
         release_free_memory()  # once per version, the engine running again (streamrl.memory)
         self.events.append(Event(self.name, "weight_fetch", -1, version, rec.start,
