@@ -74,10 +74,25 @@ class Completion:
     token_versions: tuple[int, ...] = ()
     """Policy version that sampled each output token (partial rollout: a weight update between two
     decode steps changes it mid-response); empty = every token at ``version_start``."""
+    loss_mask: tuple[int, ...] = ()
+    """1 for each output token the policy sampled, 0 for one it did not (a multi-turn trajectory's
+    environment and tool messages, chat markup); empty = all sampled."""
+    episode: dict[str, Any] = field(default_factory=dict)
+    """A multi-turn trajectory's account (``agent.loop``): turns, env_tokens, tool_calls, its
+    environment reward and errors; empty for a single-turn response."""
 
     def versions(self) -> tuple[int, ...]:
         """The version of each output token (``token_versions``, else ``version_start`` for all)."""
         return self.token_versions or (self.version_start,) * len(self.output_ids)
+
+    def mask(self) -> tuple[int, ...]:
+        """``loss_mask``, or all ones."""
+        return self.loss_mask or (1,) * len(self.output_ids)
+
+    @property
+    def generated(self) -> int:
+        """Output tokens the policy sampled (all of them but a trajectory's environment tokens)."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.output_ids)
 
 
 @dataclass(frozen=True)
@@ -96,9 +111,14 @@ class Partial:
     t_start: float | None = None
     token_versions: tuple[int, ...] = ()
     """Version that sampled each of ``output_ids`` (as ``Completion.token_versions``)."""
+    loss_mask: tuple[int, ...] = ()
+    """As ``Completion.loss_mask`` (empty = all sampled)."""
 
     def versions(self) -> tuple[int, ...]:
         return self.token_versions or (self.version_start,) * len(self.output_ids)
+
+    def mask(self) -> tuple[int, ...]:
+        return self.loss_mask or (1,) * len(self.output_ids)
 
 
 @dataclass(frozen=True)
@@ -175,7 +195,8 @@ class Sample:
 
     @property
     def num_response_tokens(self) -> int:
-        return len(self.completion.output_ids)
+        """Tokens the policy sampled (a trajectory's environment tokens are not counted)."""
+        return self.completion.generated
 
     @property
     def version(self) -> int:

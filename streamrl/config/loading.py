@@ -136,6 +136,8 @@ PATH_FIELDS: dict[str, str] = {
     "task.eval_path": "data",
     "task.chat_template": "template",
     "task.reward": "reward",
+    "task.env": "reward",
+    "task.tools": "reward",
     "ranker.fit_file": "path",
     "generation.latency_profile": "path",
 }

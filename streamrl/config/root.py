@@ -100,6 +100,22 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _multi_turn_fits(self) -> "Config":
+        """Trajectories run through the SGS (not the colocated worker) and train with GRPO."""
+        if not self.task.multi_turn:
+            return self
+        what = f"task.env={self.task.env!r}" if self.task.env else f"task.tools={self.task.tools}"
+        if self.mode == "colocated":
+            raise ValueError(f"{what}: multi-turn rollouts run in the disaggregated modes (disagg-batch, stream-sync, "
+                             "stream-async), not mode='colocated'")
+        if self.trainer.algo != "grpo":
+            raise ValueError(f"{what}: multi-turn rollouts train with trainer.algo='grpo' (got {self.trainer.algo!r}: "
+                             "a critic over environment tokens is not supported)")
+        if self.ranker.name == "reweighted":
+            raise ValueError(f"{what} with ranker.name='reweighted': that ranker scores single responses")
+        return self
+
+    @model_validator(mode="after")
     def _gpu_generation_is_vllm_on_cuda(self) -> "Config":
         """On ``placement.device=cuda`` generation is vLLM on the GPUs. Whether the cluster holds
         the run is ``streamrl.placement.plan_placement``'s check."""

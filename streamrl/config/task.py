@@ -71,11 +71,28 @@ class TaskConfig(_Section):
     """arithmetic task: operands are drawn from 1..max_operand (a product's right factor from 2..9)"""
     max_terms: int = Field(2, ge=2, le=6)
     """arithmetic task: each expression has 2..max_terms operands"""
+    env: str | None = None
+    """multi-turn environment class: 'file.py:ClassName' or 'package.module:ClassName', built per trajectory as
+    ClassName(row) with reset() -> message and step(assistant_text) -> (message | None, reward, done)"""
+    tools: list[str] = Field(default_factory=list)
+    """tool functions offered to the model ('file.py:fn'), schema from signature and docstring, called in the
+    Hermes format <tool_call>{"name": ..., "arguments": {...}}</tool_call>"""
+    max_turns: int = Field(8, ge=1)
+    """multi-turn: assistant turns per trajectory at most (a trajectory cut here is counted)"""
+    env_timeout_s: float = Field(30.0, gt=0)
+    """multi-turn: one env step or tool round taking longer scores its trajectory 0 (counted)"""
+    env_workers: int = Field(4, ge=1)
+    """multi-turn: worker processes running environments and tools"""
     length_ramp: bool = False
     """synthetic task: training prompts in order of solution length, shortest first, every epoch (no shuffle):
     response lengths grow through each epoch (the elastic workload)"""
 
-    @field_validator("reward")
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are multi-turn trajectories (an env or tools)."""
+        return bool(self.env or self.tools)
+
+    @field_validator("reward", "env", "tools")
     @classmethod
     def _reward_syntax(cls, value: str | list[str] | None) -> str | list[str] | None:
         for spec in [value] if isinstance(value, str) else (value or []):

@@ -82,8 +82,11 @@ class RequestBuilder:
         self.max_new_tokens = cfg.generation.max_new_tokens
         self.max_prompt_tokens = cfg.task.max_prompt_tokens
         self.oversized = 0
+        self.agent = None  # an ``agent.loop.AgentLoop``: requests open multi-turn trajectories
 
     def build(self, prompts: list[Prompt], iteration: int, tag: str = "") -> list[GenRequest]:
+        if self.agent is not None:
+            return self.agent.build(prompts, self.n, iteration, tag, self.max_new_tokens, self.max_prompt_tokens)
         reqs = []
         for p in prompts:
             ids = tuple(self.encode(p.text))
@@ -112,9 +115,16 @@ class Scorer:
             self.prompts[p.prompt_id] = p
 
     def score(self, c: Completion, iteration: int) -> Sample:
+        """A trajectory with an environment keeps the env's reward (its turn rewards summed);
+        anything else is scored by the task's reward on the decoded text (for a trajectory: the
+        whole conversation after the prompt)."""
         prompt = self.prompts[c.prompt_id]
         text = self.tokenizer.decode(list(c.output_ids), skip_special_tokens=True)
-        reward, info = self.reward(prompt, text)
+        if "env_reward" in c.episode:
+            error = c.episode.get("error")
+            reward, info = c.episode["env_reward"], ({"error": error} if error else {})
+        else:
+            reward, info = self.reward(prompt, text)
         return Sample(prompt=prompt, sample_idx=c.sample_idx, completion=c, response_text=text,
                       reward=float(reward), reward_info=info, iteration=iteration)
 

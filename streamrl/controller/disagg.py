@@ -67,6 +67,7 @@ class DisaggPipeline(Pipeline):
             node = wait_start() if cfg.trainer.backend == "fsdp" else None
             self.sgs = StreamGenerationService(cfg, policy_path=policy, dispatch=cfg.generation.dispatch, plan=plan,
                                                fault_log=getattr(ctx, "fault_log", None))
+            self.sgs.agent = getattr(ctx, "agent", None)  # multi-turn trajectories (task.env / task.tools)
             self.sgs.attach_prompts(ctx.task.train_prompts())  # the ranker (if any) scores the dataset ahead
             self.sgs.add_instances(cfg.generation.num_instances)
             node = node if node is not None else wait_start()

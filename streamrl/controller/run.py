@@ -166,7 +166,7 @@ class Run:
         pipeline.shutdown()
         if self.sample_log is not None:
             self.sample_log.close()
-        self.ctx.reward_runner.close()
+        self.ctx.close()
         self.logger.close()
         if cfg.trainer.lora.rank > 0:
             self.echo(f"trained adapter: {final} (peft: PeftModel.from_pretrained(base, path) loads it)"
@@ -199,7 +199,7 @@ class Run:
 
     def close_quietly(self) -> None:
         """Stop the run's actors and close its files after a failure; the failure is what is reported."""
-        for close in (self.pipeline.shutdown, getattr(self.sample_log, "close", None), self.ctx.reward_runner.close,
+        for close in (self.pipeline.shutdown, getattr(self.sample_log, "close", None), self.ctx.close,
                       self.logger.close):
             if close is None:
                 continue

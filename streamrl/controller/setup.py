@@ -101,6 +101,31 @@ class RunContext:
         self.reward_runner = RewardRunner.for_task(task, cfg.task, reward_fn=reward_fn)
         self.scorer = Scorer(task, tokenizer, self.reward_runner)
         self.fault_log: str | None = None  # where the SGS appends generation faults (the driver sets it)
+        self.agent = agent_loop(cfg, tokenizer, self.builder) if cfg.task.multi_turn else None
+        self.builder.agent = self.agent
+
+    def close(self) -> None:
+        self.reward_runner.close()
+        if self.agent is not None:
+            self.agent.close()
+
+
+def agent_loop(cfg: Config, tokenizer, builder: RequestBuilder):
+    """The run's multi-turn loop: env and tools in their worker processes, the chat renderer."""
+    from streamrl.agent.chat import TurnRenderer
+    from streamrl.agent.env import EnvHost, load_tools
+    from streamrl.agent.loop import AgentLoop
+    from streamrl.agent.runner import EnvRunner
+    from streamrl.agent.tools import schema
+
+    from streamrl.agent.env import load_env_class
+
+    t = cfg.task
+    if t.env:
+        load_env_class(t.env)  # a typo stops the run here, naming the entry, not in every trajectory's reset
+    schemas = [schema(fn) for fn in load_tools(t.tools).values()]
+    runner = EnvRunner(EnvHost(t.env, t.tools), workers=t.env_workers, timeout_s=t.env_timeout_s)
+    return AgentLoop(cfg, TurnRenderer(builder.formatter, schemas), runner, tokenizer, has_env=bool(t.env))
 
 
 def user_reward(cfg: Config, reward_fn=None):

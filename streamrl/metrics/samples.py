@@ -54,7 +54,10 @@ class SampleLog:
         ``logprobs`` the same token by token (rounded to 1e-6), for the per-decision estimator;
         both are null when the engine returned no log-prob per token. ``output_ids`` are the
         generated token ids (EOS included): the response text alone does not always encode back
-        to them (a special token sampled mid-response is dropped from the text)."""
+        to them (a special token sampled mid-response is dropped from the text). A multi-turn
+        trajectory adds ``turns``, ``env_tokens`` (its tokens the policy did not sample, loss mask
+        0), ``tool_calls``, ``tool_errors``, ``cut`` (``max_turns``, ``max_new_tokens``, ``context``
+        or null) and ``loss_mask``; its ``length`` counts the sampled tokens only."""
         samples = list(samples)
         keys = {s.prompt.prompt_id for s in samples}
         for s in samples:
@@ -66,7 +69,7 @@ class SampleLog:
                    "prompt_ids": list(c.prompt_ids),
                    # an errored or timed-out reward scores 0.0: flagged, so it never reads as a real 0
                    "reward_error": s.reward_info.get("error"),
-                   **_logprobs(c)}
+                   **_logprobs(c), **_episode(c)}
             self._file.write(json.dumps(row) + "\n")
         self._visits.update(keys)
         self._file.flush()
@@ -74,6 +77,15 @@ class SampleLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _episode(c) -> dict:
+    """A trajectory's account (``agent.loop``); nothing for a single-turn response."""
+    if not c.episode:
+        return {}
+    e = c.episode
+    return {"turns": e["turns"], "env_tokens": e["env_tokens"], "tool_calls": e["tool_calls"],
+            "tool_errors": e["tool_errors"], "cut": e["cut"], "loss_mask": list(c.mask())}
 
 
 def _logprobs(c) -> dict:

@@ -3,12 +3,15 @@
     queued --send--> dispatched --progress--> running --preempt+send--> moved --complete--> done
        ^                 |                       |                        |
        +---- unassign ---+-----------------------+------------------------+     (instance lost)
+    dispatched | running | moved --turn_done--> env --next_turn--> moved | --finish--> done
     any unfinished state --fail_all--> failed (no instance left: the run stops)
 
 Only this module changes a record's state. Invariants: a request is in flight (not done or
 failed) in exactly one record; its completion is handed out once (a second one is refused and
 counted by the caller); a moved request's earlier output (its prefix) is joined to the
-continuation's, so the caller sees one ``Completion`` per request.
+continuation's, so the caller sees one ``Completion`` per request. A multi-turn trajectory is one
+request: each finished turn waits in ``env`` for its environment, whose tokens join the prefix
+with loss mask 0, and the next turn is a continuation of prompt + prefix.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ class State(enum.Enum):
     DISPATCHED = "dispatched"  # sent to ``instance``, not seen running yet
     RUNNING = "running"  # its instance reported tokens for it
     MOVED = "moved"  # stopped with output at one instance, its continuation sent to another
+    ENV = "env"  # a trajectory's turn finished; its environment's answer is awaited
     DONE = "done"  # its completion was handed out
     FAILED = "failed"  # no instance was left to finish it
 
 
-IN_FLIGHT = (State.QUEUED, State.DISPATCHED, State.RUNNING, State.MOVED)
+IN_FLIGHT = (State.QUEUED, State.DISPATCHED, State.RUNNING, State.MOVED, State.ENV)
 
 
 @dataclass
@@ -46,11 +50,23 @@ class Record:
     sent: GenRequest | None = None  # what ``instance`` was given: the request, or its continuation
     prefix: Partial | None = None  # everything generated before its preemptions (joined at the end)
     moved_running: bool = False  # moved while running once: never moved again
+    last: Completion | None = None  # a trajectory's last finished turn (its finish reason, versions, times)
+    turn_instance: str | None = None  # where its last turn ran: the next one goes there (its KV prefix)
 
     @property
     def generated(self) -> int:
         """Tokens generated before its last move (0 if it never moved with output)."""
         return len(self.prefix.output_ids) if self.prefix else 0
+
+
+def _join(pre: Partial | None, part) -> Partial:
+    """``pre`` followed by ``part``'s output (a ``Partial`` or ``Completion``), as one prefix."""
+    if pre is None:
+        return Partial(part.request if isinstance(part, Partial) else None, tuple(part.output_ids), tuple(part.logprobs),
+                       part.version_start, part.t_start, part.versions(), part.mask())
+    return Partial(pre.request, pre.output_ids + tuple(part.output_ids), pre.logprobs + tuple(part.logprobs),
+                   min(pre.version_start, part.version_start), pre.t_start, pre.versions() + part.versions(),
+                   pre.mask() + part.mask())
 
 
 class Ledger:
@@ -140,15 +156,51 @@ class Ledger:
         if not part.output_ids:
             rec.sent = part.request
             return part.request
-        prev = rec.prefix
-        if prev is not None:  # preempted before: the earlier prefix comes first
-            part = Partial(prev.request, prev.output_ids + tuple(part.output_ids), prev.logprobs + tuple(part.logprobs),
-                           min(prev.version_start, part.version_start), prev.t_start, prev.versions() + part.versions())
+        if rec.prefix is not None:  # preempted before: the earlier prefix comes first
+            part = _join(rec.prefix, part)
         rec.prefix, rec.moved_running = part, True
-        req, tokens = part.request, part.output_ids
-        rec.sent = replace(req, prompt_ids=tuple(req.prompt_ids) + tokens, max_new_tokens=req.max_new_tokens - len(tokens),
-                           priority=RESUME_PRIORITY)
+        return self._continue(rec)
+
+    def _continue(self, rec: Record) -> GenRequest:
+        """The record's continuation: prompt + prefix, with the rest of its sampled-token budget."""
+        req, pre = rec.request, rec.prefix
+        rec.sent = replace(req, prompt_ids=tuple(req.prompt_ids) + pre.output_ids,
+                           max_new_tokens=req.max_new_tokens - sum(pre.mask()), priority=RESUME_PRIORITY)
         return rec.sent
+
+    def turn_done(self, c: Completion) -> Partial | None:
+        """A trajectory's turn finished: its output joins the prefix and it waits for its
+        environment (``env``). Returns the trajectory so far, or None for a completion not in flight."""
+        rec = self._records.get(c.request_id)
+        if rec is None or rec.state not in IN_FLIGHT or rec.state is State.ENV:
+            return None
+        rec.turn_instance, rec.instance, rec.state, rec.last = c.instance or rec.instance, None, State.ENV, c
+        rec.prefix = _join(rec.prefix, c)
+        if rec.prefix.request is None:
+            rec.prefix = replace(rec.prefix, request=rec.request)
+        return rec.prefix
+
+    def next_turn(self, request_id: str, env_ids: tuple[int, ...]) -> GenRequest:
+        """The environment answered: its tokens join the prefix (loss mask 0, the version of the
+        token before them) and the next turn is the continuation; it is queued (``sent`` places it)."""
+        rec = self._records[request_id]
+        pre = rec.prefix
+        v = pre.versions()[-1] if pre.output_ids else rec.last.version_end
+        n = len(env_ids)
+        rec.prefix = replace(pre, output_ids=pre.output_ids + tuple(env_ids), logprobs=pre.logprobs + (0.0,) * n,
+                             token_versions=pre.versions() + (v,) * n, loss_mask=pre.mask() + (0,) * n)
+        rec.state = State.QUEUED
+        return self._continue(rec)
+
+    def finish(self, request_id: str, episode: dict) -> Completion:
+        """A trajectory is over: its whole conversation after the prompt, as one completion."""
+        rec = self._records[request_id]
+        pre, last = rec.prefix, rec.last
+        rec.state, rec.instance, rec.prefix = State.DONE, None, None
+        self._returned.add(request_id)
+        return replace(last, prompt_ids=tuple(rec.request.prompt_ids), output_ids=pre.output_ids,
+                       logprobs=pre.logprobs, version_start=pre.version_start, t_start=pre.t_start,
+                       token_versions=pre.versions(), loss_mask=pre.mask(), episode=episode)
 
     def complete(self, c: Completion) -> Completion | None:
         """The request's completion as handed out (prefix joined), or None for one not in flight
@@ -161,9 +213,10 @@ class Ledger:
         pre, rec.prefix = rec.prefix, None  # joined now: nothing of it is kept
         if pre is None:
             return c
-        return replace(c, prompt_ids=tuple(pre.request.prompt_ids), output_ids=pre.output_ids + c.output_ids,
-                       logprobs=pre.logprobs + c.logprobs, version_start=min(pre.version_start, c.version_start),
-                       t_start=pre.t_start, token_versions=pre.versions() + c.versions())
+        whole = _join(pre, c)
+        return replace(c, prompt_ids=tuple(pre.request.prompt_ids), output_ids=whole.output_ids, logprobs=whole.logprobs,
+                       version_start=whole.version_start, t_start=whole.t_start, token_versions=whole.versions(),
+                       loss_mask=whole.loss_mask if 0 in whole.loss_mask else ())
 
     def end_batch(self, request_ids: list[str], returned_ids: list[str]) -> None:
         """Forget a finished batch's records; remember its ids for the next few batches."""

@@ -35,6 +35,7 @@ from streamrl.sgs.faults import FaultTolerance
 from streamrl.sgs.instance import GenerationInstance
 from streamrl.sgs.ledger import Ledger
 from streamrl.sgs.rebalancing import Rebalancing
+from streamrl.sgs.trajectories import Trajectories
 from streamrl.types import Completion, Event, GenRequest, Progress
 from streamrl.weights.engine import tree_calls
 from streamrl.weights.tree import Location, levels, plan_tree
@@ -58,7 +59,7 @@ class Instance:
     retiring: bool = False  # finishing its last requests: given no new work
 
 
-class StreamGenerationService(FaultTolerance, Rebalancing):
+class StreamGenerationService(FaultTolerance, Rebalancing, Trajectories):
     def __init__(self, cfg: Config, policy_path: str | None = None, dispatch: str | None = None,
                  dispatch_kwargs: dict | None = None, ranker: OnlineRanker | None | str = "config",
                  engine_overrides: dict | None = None, hold_back: bool | None = None,
@@ -88,6 +89,7 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
         self.heartbeat_s = g.heartbeat_timeout_s
         self.faults: list[dict] = []  # one record per failed instance: name, reason, wall time, requeued
         self._early: list[Completion] = []  # polled while retiring an instance: handed out by the next poll
+        self.agent = None  # an ``agent.loop.AgentLoop``: requests it owns are multi-turn trajectories
         self._live_checked = time.perf_counter()
         self._names = (f"gen-{i}" for i in itertools.count())
         self._handle = None
@@ -409,11 +411,13 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
                 inst.armed_at = time.perf_counter()
 
     def _poll(self, timeout: float) -> list[Completion]:
+        waiting_env = self.agent is not None and self.agent.pending()
         self._arm_polls()
         armed = {inst.poll: name for name, inst in self.pool.items() if inst.poll is not None}
-        if not armed:
-            return []
-        ready, rest = ray.wait(list(armed), num_returns=1, timeout=timeout)
+        if not armed:  # nothing generating: wait for environments (if any answer) instead
+            return self._wait_for_envs(timeout) if waiting_env else []
+        # While environments answer, look at them often: a turn waiting on a poll would idle
+        ready, rest = ray.wait(list(armed), num_returns=1, timeout=min(timeout, 0.02) if waiting_env else timeout)
         if ready and rest:  # every poll that has returned by now, not only the first
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
@@ -441,6 +445,8 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
             else:  # a plain poll: the last progress of this instance is stale now
                 self._set_progress(name, None)
             out.extend(self._hand_out(batch))
+        if self.agent is not None:
+            out.extend(self._advance_trajectories())
         if self.rebalance and self.ledger.pending():
             self._maybe_rebalance()
         return out
@@ -449,11 +455,14 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
         """Each completion of a request in flight, joined with its prefix; duplicates are counted."""
         out = []
         for c in batch:
+            if self.agent is not None and self.agent.owns(c.request_id):  # a turn: its env answers next
+                self._turn_done(c)
+                continue
             done = self.ledger.complete(c)
             if done is None:
                 self.counters["sgs/duplicates"] += 1
                 continue
-            self._recent.append(len(done.output_ids))
+            self._recent.append(done.generated)
             out.append(done)
         return out
 
@@ -480,7 +489,7 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
     def _end_batch(self, requests: list[GenRequest], predicted: dict[str, float], done: list[Completion],
                    given: bool) -> None:
         """Log the batch's ranking quality; feed its lengths to dispatch and (background) ranker."""
-        lengths = {c.request_id: len(c.output_ids) for c in done}
+        lengths = {c.request_id: c.generated for c in done}  # a trajectory: the tokens it sampled
         ids = [r.request_id for r in requests]
         actual = [float(lengths[i]) for i in ids]
         self.ledger.end_batch(ids, [c.request_id for c in done])  # the last few batches' ids stay known
@@ -514,7 +523,8 @@ class StreamGenerationService(FaultTolerance, Rebalancing):
         and the run's rebalancing and fault counters (cumulative)."""
         out = {**self._metrics, "sgs/instances": float(len(self.pool)),
                **{k: float(self.counters[k]) for k in ("sgs/rebalanced", "sgs/faults", "sgs/requeued",
-                                                       "sgs/restarts", "sgs/resubmitted", "sgs/duplicates")}}
+                                                       "sgs/restarts", "sgs/resubmitted", "sgs/duplicates")},
+               **(self.agent.metrics() if self.agent is not None else {})}
         self._metrics = {}
         return out
 

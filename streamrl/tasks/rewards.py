@@ -78,8 +78,9 @@ def _worker_main(fd: int) -> None:
             return  # parent went away
         if job is None:
             return
-        try:
-            conn.send(("ok", normalize(fn(*job))))
+        try:  # an environment host (``agent.env.EnvHost``) answers with its own records
+            value = fn(*job)
+            conn.send(("ok", value if getattr(fn, "raw_results", False) else normalize(value)))
         except Exception as exc:
             tb = traceback.format_exc(limit=-3)
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{tb}"))
@@ -114,10 +115,10 @@ class _Worker:
             self.kill()
             raise RewardError(f"reward worker failed to start: {detail}")
 
-    def call(self, prompt: Prompt, response: str, timeout_s: float) -> tuple[str, Any]:
-        """Returns ("ok", value) | ("error", message) | ("timeout", None) | ("died", message)."""
+    def call(self, job: tuple, timeout_s: float) -> tuple[str, Any]:
+        """Run ``fn(*job)``: ("ok", value) | ("error", message) | ("timeout", None) | ("died", message)."""
         try:
-            self.conn.send((prompt, response))
+            self.conn.send(job)
             if not self.conn.poll(timeout_s):
                 return "timeout", None
             return self.conn.recv()
@@ -290,7 +291,7 @@ class RewardRunner:
                     self._counts["worker_restarts"] += 1
             if worker is None:
                 worker = self._start_worker()
-            outcome = worker.call(prompt, response, self.timeout_s)
+            outcome = worker.call((prompt, response), self.timeout_s)
             if outcome[0] in ("timeout", "died"):
                 worker.kill()  # a hung worker cannot be trusted again; replace it on the next call
                 worker = None

@@ -53,31 +53,39 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def load_reward_function(spec: str, base_dir: str | Path | None = None) -> UserFn:
-    """The function a spec names; ``RewardSpecError`` naming the spec if it cannot be had.
+def load_object(spec: str, base_dir: str | Path | None = None, key: str = "task.reward") -> Any:
+    """The object a ``'package.module:name'`` or ``'/path/file.py:name'`` spec names (``key``, the
+    config field, goes into the error); ``RewardSpecError`` naming the spec if it cannot be had.
     A relative file path resolves against ``base_dir`` (the config file's directory), then the
     working directory."""
     target, sep, attr = spec.rpartition(":")
+    what = {"task.reward": "function", "task.env": "ClassName"}.get(key, "name")
     if not sep or not target or not attr:
-        raise RewardSpecError(f"task.reward={spec!r} is not 'package.module:function' or '/path/file.py:function'")
+        raise RewardSpecError(f"{key}={spec!r} is not 'package.module:{what}' or '/path/file.py:{what}'")
     try:
         if is_reward_file(target):
             path = Path(target).expanduser()
             if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).is_file():
                 path = Path(base_dir) / path
             if not path.is_file():
-                raise RewardSpecError(f"task.reward={spec!r}: file {str(path)!r} does not exist")
+                raise RewardSpecError(f"{key}={spec!r}: file {str(path)!r} does not exist")
             module = _import_file(path.resolve())
         else:
             module = importlib.import_module(target)
     except RewardSpecError:
         raise
     except Exception as exc:
-        raise RewardSpecError(f"task.reward={spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
+        raise RewardSpecError(f"{key}={spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
         names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        raise RewardSpecError(f"task.reward={spec!r}: {target!r} has no {attr!r} (callables there: {names[:10]})")
+        raise RewardSpecError(f"{key}={spec!r}: {target!r} has no {attr!r} (callables there: {names[:10]})")
+    return obj
+
+
+def load_reward_function(spec: str, base_dir: str | Path | None = None) -> UserFn:
+    """The reward function a spec names, its signature checked (``load_object``)."""
+    fn = load_object(spec, base_dir)
     check_signature(fn, spec)
     return fn
 

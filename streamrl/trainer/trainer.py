@@ -51,6 +51,9 @@ class Prepared:
     returns: list[float] | None = None
     prox_logprobs: list[float] | None = None
     """Decoupled PPO: the trainer's log-probs before the first optimizer step on this sample."""
+    loss_mask: list[int] | None = None
+    """Per response token: 0 where the policy did not sample it (a trajectory's environment and
+    tool tokens); None = every response token is trained."""
     meta: dict = field(default_factory=dict)
 
     @property
@@ -64,7 +67,12 @@ class Prepared:
     @property
     def trained_tokens(self) -> int:
         """Response tokens the loss sees: none for a response ``trainer.overlong: filter`` drops."""
-        return 0 if self.meta.get("filtered") else self.num_response_tokens
+        return 0 if self.meta.get("filtered") else self.sampled_tokens
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Response tokens the policy sampled (all but a trajectory's environment tokens)."""
+        return sum(self.loss_mask) if self.loss_mask is not None else self.num_response_tokens
 
 
 class ValueModel(nn.Module):
@@ -93,7 +101,8 @@ def _pad(items: list[Prepared], pad_id: int):
         ids[i, : p.num_tokens] = torch.tensor(p.input_ids)
         attn[i, : p.num_tokens] = 1
         if p.trained_tokens:
-            mask[i, p.resp_start - 1: p.num_tokens - 1] = 1.0
+            mask[i, p.resp_start - 1: p.num_tokens - 1] = 1.0 if p.loss_mask is None else torch.tensor(
+                p.loss_mask, dtype=mask.dtype)
     return ids, attn, mask
 
 
@@ -139,7 +148,7 @@ def to_prepared(s: Sample) -> Prepared:
         raise ValueError(f"sample {c.request_id} has an empty response")
     return Prepared(input_ids=list(c.prompt_ids) + list(c.output_ids), resp_start=len(c.prompt_ids),
                     old_logprobs=list(c.logprobs), reward=s.reward, version=c.version_start,
-                    prompt_id=s.prompt.prompt_id,
+                    prompt_id=s.prompt.prompt_id, loss_mask=list(c.loss_mask) if c.loss_mask else None,
                     meta={"request_id": c.request_id, "truncated": c.finish_reason == "length"})
 
 
@@ -155,7 +164,7 @@ def prepare_samples(cfg: Config, groups: list[list[Sample]]) -> list[list[Prepar
         if t.overlong == "filter":
             p.meta["filtered"] = p.meta["truncated"]
         elif t.overlong == "penalty":
-            p.reward += losses.overlong_penalty(p.num_response_tokens, cap, t.overlong_buffer or cap // 5,
+            p.reward += losses.overlong_penalty(p.sampled_tokens, cap, t.overlong_buffer or cap // 5,
                                                 t.overlong_penalty)
     if t.dynamic_sampling and t.algo == "grpo":
         for g in out:
