@@ -1,0 +1,82 @@
+"""Environments run in isolated worker processes: state kept per trajectory, replayed after a
+worker is killed for another trajectory's hang, errors and hangs reported, tools answered."""
+
+from __future__ import annotations
+
+import textwrap
+
+from streamrl.agent.env import EnvHost
+from streamrl.agent.runner import EnvRunner
+
+ENV = textwrap.dedent('''
+    import time
+
+    class Counter:
+        """Answers each step with how many steps it has taken; 'hang' hangs, 'boom' raises."""
+
+        def __init__(self, row):
+            self.row, self.steps = row, 0
+
+        def reset(self):
+            return f"start {self.row['prompt']}"
+
+        def step(self, text):
+            if text == "hang":
+                time.sleep(60)
+            if text == "boom":
+                raise ValueError("broken env")
+            self.steps += 1
+            done = self.steps >= 3
+            return (None if done else f"step {self.steps}"), 0.5, done
+
+    def add(a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: first
+            b: second
+        """
+        return a + b
+''')
+
+
+def _runner(tmp_path, tools=(), workers=1, timeout_s=2.0):
+    path = tmp_path / "envs.py"
+    path.write_text(ENV)
+    host = EnvHost(f"{path}:Counter", [f"{path}:{t}" for t in tools])
+    return EnvRunner(host, workers=workers, timeout_s=timeout_s)
+
+
+def test_a_trajectory_keeps_its_env_and_a_killed_worker_replays_the_others(tmp_path):
+    runner = _runner(tmp_path)
+    row = {"prompt": "p", "answer": "a", "prompt_id": "x"}
+    try:
+        assert runner.submit("t1", "reset", row, []).result() == ("ok", {"messages": [{"role": "user", "content": "start p"}]})
+        kind, out = runner.submit("t1", "step", row, ["a"]).result()
+        assert kind == "ok" and out["messages"][0]["content"] == "step 1" and out["reward"] == 0.5 and not out["done"]
+        runner.submit("t2", "reset", row, []).result()
+        assert runner.submit("t2", "step", row, ["hang"]).result() == ("timeout", None)  # its worker is killed
+        kind, out = runner.submit("t1", "step", row, ["a", "b"]).result()  # t1's env is rebuilt by replay
+        assert kind == "ok" and out["messages"][0]["content"] == "step 2"
+        kind, out = runner.submit("t1", "step", row, ["a", "b", "c"]).result()
+        assert kind == "ok" and out["done"] and out["messages"] == []
+        kind, message = runner.submit("t3", "step", row, ["boom"]).result()
+        assert kind == "error" and "ValueError: broken env" in message
+        assert runner.counts["timeouts"] == 1 and runner.counts["errors"] == 1 and runner.counts["worker_restarts"] == 1
+    finally:
+        runner.close()
+
+
+def test_tool_calls_are_answered_without_stepping_the_env(tmp_path):
+    runner = _runner(tmp_path, tools=["add"])
+    row = {"prompt": "p", "answer": "a", "prompt_id": "x"}
+    try:
+        runner.submit("t", "reset", row, []).result()
+        kind, out = runner.submit("t", "step", row, ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}'
+                                                     '</tool_call><tool_call>oops</tool_call>']).result()
+        assert kind == "ok" and not out["env_step"] and out["tool_calls"] == 2 and out["tool_errors"] == 1
+        assert [m["content"] for m in out["messages"]][1] == "5"
+        kind, out = runner.submit("t", "step", row, ["the answer"]).result()  # no call: the env's turn, its first step
+        assert out["env_step"] and out["messages"][0]["content"] == "step 1"
+    finally:
+        runner.close()
