@@ -40,6 +40,8 @@ class Trajectory:
     stopped: bool = True  # the last turn ended with the eos token
     future: cf.Future | None = None
     generated: int = 0  # output tokens so far (env tokens included)
+    sampled: int = 0  # of which the policy sampled
+    budget: int = 0  # sampled tokens it may have in all (generation.max_new_tokens)
 
 
 def row_of(prompt: Prompt) -> dict:
@@ -64,6 +66,9 @@ class AgentLoop:
               max_prompt_tokens: int) -> list[GenRequest]:
         """One request per trajectory (``n`` per prompt), its first prompt from the env's reset."""
         keys = [(p, j, f"{tag}{iteration}:{p.prompt_id}/{j}") for p in prompts for j in range(n)]
+        reopened = [rid for _, _, rid in keys if rid in self.trajs]
+        if reopened:  # its env would be reset under a trajectory in flight
+            raise RuntimeError(f"trajectories {reopened[:3]} are already open")
         if self.has_env:
             futures = {rid: self.runner.submit(rid, "reset", row_of(p), []) for p, _, rid in keys}
             firsts = {rid: f.result() for rid, f in futures.items()}
@@ -84,7 +89,7 @@ class AgentLoop:
                             rid, len(ids), max_prompt_tokens)
                 self.counters["cut_context"] += 1
                 continue
-            self.trajs[rid] = Trajectory(p, row_of(p), messages, len(ids))
+            self.trajs[rid] = Trajectory(p, row_of(p), messages, len(ids), budget=max_new_tokens)
             self.counters["trajectories"] += 1
             out.append(GenRequest(request_id=rid, prompt_id=p.prompt_id, sample_idx=j, prompt_ids=tuple(ids),
                                   max_new_tokens=max_new_tokens))
@@ -99,10 +104,10 @@ class AgentLoop:
         t = self.trajs[c.request_id]
         t.turns += 1
         self.counters["turns"] += 1
-        t.generated = len(so_far.output_ids)
+        t.generated, t.sampled = len(so_far.output_ids), sum(so_far.mask())
         t.text = self.tok.decode(list(so_far.output_ids[t.turn_start:]), skip_special_tokens=True)
         t.stopped = c.finish_reason == "stop"
-        if c.finish_reason == "length":
+        if c.finish_reason == "length" or t.sampled >= t.budget:  # no budget left for another turn
             self._finish(c.request_id, cut="max_new_tokens")
             return
         t.future = self.runner.submit(c.request_id, "step", t.row, t.env_texts + [t.text])

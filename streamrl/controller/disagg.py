@@ -136,7 +136,7 @@ class DisaggPipeline(Pipeline):
             self.sgs.prefetch(upcoming)
         gen_version = self.sgs.version
         t_submit = time.time()  # generation proper starts here (after any wait for the weights)
-        requests = self.ctx.builder.build(prompts, iteration)
+        requests = self.strategy.built_ahead(iteration) or self.ctx.builder.build(prompts, iteration)
         samples, self.pending[iteration] = self.strategy.run(iteration, requests, upcoming)
         gen_end = time.time()
         for c in (s.completion for s in samples):

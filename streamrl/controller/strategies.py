@@ -28,6 +28,10 @@ class WholeBatch:
     def __init__(self, pipe) -> None:
         self.pipe = pipe  # the DisaggPipeline: its sgs, trainer, ctx and cfg
 
+    def built_ahead(self, iteration: int) -> list[GenRequest] | None:
+        """The iteration's requests if they were built and admitted ahead of its step, else None."""
+        return None
+
     def run(self, iteration: int, requests: list[GenRequest], upcoming) -> tuple[list, ray.ObjectRef]:
         p = self.pipe
         samples = [p.ctx.scorer.score(c, iteration) for c in p.sgs.generate(requests)]
@@ -78,6 +82,7 @@ class AheadIteration:
     iteration: int
     ids: list[str]
     predicted: dict[str, float]  # what dispatch used, per request (for the batch's rank metrics)
+    requests: list[GenRequest] = field(default_factory=list)  # as built (a trajectory's reset is not repeated)
     wanted: set[str] = field(default_factory=set)  # not finished yet
     done: list[Completion] = field(default_factory=list)  # finished, in completion order
 
@@ -101,6 +106,10 @@ class LookAhead(Streaming):
         super().__init__(pipe)
         self.ahead: dict[int, AheadIteration] = {}  # later iterations' requests, admitted early
         self.admitted = 0  # requests admitted ahead since the last ``metrics``
+
+    def built_ahead(self, iteration: int) -> list[GenRequest] | None:
+        state = self.ahead.get(iteration)
+        return state.requests if state is not None else None
 
     def completions(self, iteration: int, requests: list[GenRequest], upcoming) -> Iterator[Completion]:
         p = self.pipe
@@ -129,7 +138,7 @@ class LookAhead(Streaming):
         """Submit one iteration's requests; an earlier iteration's always rank first."""
         lengths = self.pipe.sgs.submit(requests, priority_offset=-AHEAD_PRIORITY * iteration)
         ids = [r.request_id for r in requests]
-        return AheadIteration(iteration, ids, dict(zip(ids, lengths)), set(ids))
+        return AheadIteration(iteration, ids, dict(zip(ids, lengths)), list(requests), set(ids))
 
     def _admit_ahead(self, iteration: int, future: list) -> None:
         p = self.pipe
