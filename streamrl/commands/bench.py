@@ -1,6 +1,6 @@
-"""`streamrl bench modes|scheduling|faults|soak [CONFIG] [overrides]` and `bench weights`:
+"""`streamrl bench modes|scheduling|faults|soak|agent [CONFIG] [overrides]` and `bench weights`:
 pipeline-mode throughput; scheduling makespan; exactly-once and recovery under killed instances
-and drivers; memory over a long run; weight updates across a shaped link between sites."""
+and drivers; memory over a long run; multi-turn throughput; weight updates across a shaped link."""
 
 import argparse
 from pathlib import Path
@@ -17,6 +17,36 @@ def register(sub) -> None:
     _register_faults(bsub)
     _register_soak(bsub)
     _register_weights(bsub)
+    _register_agent(bsub)
+
+
+def _register_agent(bsub) -> None:
+    a = bsub.add_parser("agent", help="multi-turn rollouts: streamed per trajectory against a turn-synchronous loop "
+                                      "(every trajectory one turn, then every env step), same instances")
+    a.add_argument("config", nargs="?", default="configs/tiny.yaml")
+    a.add_argument("overrides", nargs="*")
+    a.add_argument("--trajectories", type=int, default=32, help="trajectories per run, one per prompt (32)")
+    a.add_argument("--repeats", type=int, default=3, help="runs per system, alternating; the median is shown (3)")
+    add_out_argument(a)
+    a.set_defaults(handler="streamrl.commands.bench:run_agent")
+
+
+def run_agent(args) -> int:
+    from streamrl.config import load_cli_config
+    from streamrl.lab.bench.agent import ENV, bench_agent
+    from streamrl.metrics.report import print_table, write_json
+
+    fixed = [f"task.env={ENV}", "generation.num_instances=2", "generation.threads_per_instance=1",
+             "generation.max_new_tokens=160", "task.max_turns=4", "task.env_workers=8"]
+    cfg = load_cli_config(args.config, fixed + list(args.overrides), default="configs/tiny.yaml")
+    result = bench_agent(cfg, args.trajectories, args.repeats)
+    print_table(f"bench agent: {result['trajectories']} trajectories of {ENV} (1-4 turns, a 0.02-0.5 s env step), "
+                f"{result['instances']} instances, {result['env_workers']} env workers, greedy; median of "
+                f"{result['repeats']} runs; same trajectories in both: {result['same_trajectories']:.2f}",
+                result["rows"], ["system", "wall_s", "trajectories", "turns", "sampled_tokens", "trajectories_per_s",
+                                 "sampled_tokens_per_s", "speedup"])
+    write_json(args.out, result)
+    return 0
 
 
 def _register_modes(bsub) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,7 @@ from streamrl.config import load_config
 
 pytestmark = pytest.mark.slow  # Ray instances with engines, a trainer
 
-CHAIN_ENV = str(Path(__file__).resolve().parents[2] / "examples" / "agent" / "chain_env.py") + ":ChainEnv"
+CHAIN_ENV = "streamrl.agent.scripted:ChainEnv"
 
 
 def _mask_runs(mask) -> int:
@@ -89,7 +88,7 @@ def test_train_logs_turns_env_tokens_and_counts_a_failing_env(ray_session, tiny_
     from streamrl import train
 
     env = tmp_path / "flaky_env.py"
-    env.write_text(Path(CHAIN_ENV.rsplit(":", 1)[0]).read_text() + "\n\n"
+    env.write_text("from streamrl.agent.scripted import ChainEnv\n\n\n"
                    "class Flaky(ChainEnv):\n"
                    "    def step(self, text):\n"
                    "        if self.prompts[0].endswith('1:'):\n"

@@ -1,12 +1,14 @@
-"""A scripted multi-turn environment for the tiny policy: one synthetic chain per turn.
+"""Scripted multi-turn environments for the tiny policy: one synthetic chain per turn.
 
 The trajectory opens with the row's prompt; after each answer the env scores it and asks the
 next chain, 1 to 4 turns in all (drawn from the row's id, so trajectories differ in their number
 of turns). Reward: 1/turns per exactly solved chain, so a perfect trajectory scores 1.0.
-``task.env: examples/agent/chain_env.py:ChainEnv`` with ``task.name: synthetic``.
+``task.env: streamrl.agent.scripted:ChainEnv`` with ``task.name: synthetic``. ``SlowChainEnv``
+also waits like a remote tool of variable latency on each step (``streamrl bench agent``).
 """
 
 import random
+import time
 
 from streamrl.tasks.synthetic import make_problem, solve
 
@@ -30,3 +32,16 @@ class ChainEnv:
         if self.k == self.turns:
             return None, reward, True
         return self.prompts[self.k], reward, False
+
+
+class SlowChainEnv(ChainEnv):
+    """ChainEnv whose every step first waits like a call to a remote tool: log-uniform between
+    ``latency_s`` (drawn from the row's id and the step, so a rerun waits the same)."""
+
+    latency_s = (0.02, 0.5)
+
+    def step(self, assistant_text):
+        lo, hi = self.latency_s
+        rng = random.Random(f"{self.prompts[0]}/{self.k}")
+        time.sleep(lo * (hi / lo) ** rng.random())
+        return super().step(assistant_text)
