@@ -80,3 +80,20 @@ def test_tool_calls_are_answered_without_stepping_the_env(tmp_path):
         assert out["env_step"] and out["messages"][0]["content"] == "step 1"
     finally:
         runner.close()
+
+
+def test_the_readme_environment_runs_under_the_contract(tmp_path):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"```python\n(class Guess.*?)```", text, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 11
+    (tmp_path / "my_env.py").write_text(code)
+    host = EnvHost(f"{tmp_path / 'my_env.py'}:Guess", [])
+    row = {"prompt": "p", "answer": "42", "prompt_id": "x"}
+    assert "2 digits" in host("reset", "t", row, [])["messages"][0]["content"]
+    wrong = host("step", "t", row, ["7"])
+    assert wrong["messages"] == [{"role": "user", "content": "No, try again."}] and not wrong["done"]
+    right = host("step", "t", row, ["7", "it is 42"])
+    assert right == {"messages": [], "reward": 0.5, "done": True, "env_step": True}
