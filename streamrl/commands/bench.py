@@ -27,6 +27,8 @@ def _register_agent(bsub) -> None:
     a.add_argument("overrides", nargs="*")
     a.add_argument("--trajectories", type=int, default=32, help="trajectories per run, one per prompt (32)")
     a.add_argument("--repeats", type=int, default=3, help="runs per system, alternating; the median is shown (3)")
+    a.add_argument("--env", default=None, help="environment class (default streamrl.agent.scripted:SlowChainEnv; "
+                                               "ChainEnv: the same turns with no wait)")
     add_out_argument(a)
     a.set_defaults(handler="streamrl.commands.bench:run_agent")
 
@@ -36,11 +38,13 @@ def run_agent(args) -> int:
     from streamrl.lab.bench.agent import ENV, bench_agent
     from streamrl.metrics.report import print_table, write_json
 
-    fixed = [f"task.env={ENV}", "generation.num_instances=2", "generation.threads_per_instance=1",
+    env = args.env or ENV
+    fixed = [f"task.env={env}", "generation.num_instances=2", "generation.threads_per_instance=1",
              "generation.max_new_tokens=160", "task.max_turns=4", "task.env_workers=8"]
     cfg = load_cli_config(args.config, fixed + list(args.overrides), default="configs/tiny.yaml")
     result = bench_agent(cfg, args.trajectories, args.repeats)
-    print_table(f"bench agent: {result['trajectories']} trajectories of {ENV} (1-4 turns, a 0.02-0.5 s env step), "
+    wait = ", a 0.02-0.5 s env step" if env == ENV else ""
+    print_table(f"bench agent: {result['trajectories']} trajectories of {env} (1-4 turns{wait}), "
                 f"{result['instances']} instances, {result['env_workers']} env workers, greedy; median of "
                 f"{result['repeats']} runs; same trajectories in both: {result['same_trajectories']:.2f}",
                 result["rows"], ["system", "wall_s", "trajectories", "turns", "sampled_tokens", "trajectories_per_s",

@@ -114,7 +114,7 @@ def bench_agent(cfg: Config, trajectories: int = 32, repeats: int = 3, echo=prin
     base = rows[0]["wall_s"]
     for r in rows:
         r["speedup"] = base / r["wall_s"]
-    return {"rows": rows, "runs": runs, "trajectories": len(prompts), "repeats": repeats, "env": ENV,
+    return {"rows": rows, "runs": runs, "trajectories": len(prompts), "repeats": repeats, "env": cfg.task.env,
             "same_trajectories": same, "instances": cfg.generation.num_instances,
             "env_workers": cfg.task.env_workers}
 
