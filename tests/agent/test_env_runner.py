@@ -40,7 +40,7 @@ ENV = textwrap.dedent('''
 ''')
 
 
-def _runner(tmp_path, tools=(), workers=1, timeout_s=2.0):
+def _runner(tmp_path, tools=(), workers=1, timeout_s=1.0):
     path = tmp_path / "envs.py"
     path.write_text(ENV)
     host = EnvHost(f"{path}:Counter", [f"{path}:{t}" for t in tools])
