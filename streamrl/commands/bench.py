@@ -27,6 +27,8 @@ def _register_agent(bsub) -> None:
     a.add_argument("overrides", nargs="*")
     a.add_argument("--trajectories", type=int, default=32, help="trajectories per run, one per prompt (32)")
     a.add_argument("--repeats", type=int, default=3, help="runs per system, alternating; the median is shown (3)")
+    a.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                   help="the engines' prefix cache (generation.prefix_cache): a trajectory's earlier turns reused (on)")
     a.add_argument("--env", default=None, help="environment class (default streamrl.agent.scripted:SlowChainEnv; "
                                                "ChainEnv: the same turns with no wait)")
     add_out_argument(a)
@@ -40,7 +42,8 @@ def run_agent(args) -> int:
 
     env = args.env or ENV
     fixed = [f"task.env={env}", "generation.num_instances=2", "generation.threads_per_instance=1",
-             "generation.max_new_tokens=160", "task.max_turns=4", "task.env_workers=8"]
+             "generation.max_new_tokens=160", "task.max_turns=4", "task.env_workers=8",
+             f"generation.prefix_cache={'true' if args.prefix_cache == 'on' else 'false'}"]
     cfg = load_cli_config(args.config, fixed + list(args.overrides), default="configs/tiny.yaml")
     result = bench_agent(cfg, args.trajectories, args.repeats)
     wait = ", a 0.02-0.5 s env step" if env == ENV else ""

@@ -115,3 +115,46 @@ def test_varlen_attention_generates_what_dense_attention_generates(monkeypatch):
 def test_unknown_attention_mode_is_rejected():
     with pytest.raises(ValueError, match="attention"):
         make_engine("transformers", tiny_qwen2(), attention="flash")
+
+
+@pytest.mark.slow
+def test_prefix_cache_reuses_a_finished_turn_and_no_key_written_before_an_update(monkeypatch):
+    """``prefix_cache``: a continuation of a finished request (a trajectory's next turn) reuses its
+    full KV blocks and gets the log-probs of a plain forward; after a weight update nothing written
+    before it is matched."""
+    import copy
+
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    matched: list[int] = []  # tokens matched for each request admitted, in order (the CB ids are the engine's)
+    real = PagedAttentionCache.search_prefix_match
+
+    def spy(self, request_id, prompt_ids):
+        matched.append(real(self, request_id, prompt_ids))
+        return matched[-1]
+
+    monkeypatch.setattr(PagedAttentionCache, "search_prefix_match", spy)
+    model = tiny_qwen2()
+    plain = copy.deepcopy(model)
+    e = make_engine("transformers", model, temperature=0.0, num_blocks=64, page_size=8, max_batch_tokens=64,
+                    max_requests_per_batch=4, prefix_cache=True, seed=0)
+    try:
+        prompt = tuple((5 * j) % (VOCAB - 1) + 1 for j in range(20))
+        e.add_request(req("turn1", 12, prompt=prompt))
+        (t1,) = collect(e, 1)
+        nxt = prompt + t1.output_ids + (7, 8, 9)  # the next turn's context: prompt, turn 1, env tokens
+        e.add_request(req("turn2", 6, prompt=nxt))
+        (t2,) = collect(e, 1)
+        e.update_weights({k: v.clone() for k, v in plain.state_dict().items()}, 1)
+        e.add_request(req("after", 6, prompt=nxt))
+        (after,) = collect(e, 1)
+    finally:
+        e.shutdown()
+    # turn 2 reuses every full block of prompt + turn 1; after the update nothing written before it
+    assert matched == [0, 8 * ((len(prompt) + 12 - 1) // 8), 0]
+    with torch.no_grad():
+        ids = torch.tensor([nxt + t2.output_ids])
+        lp = torch.log_softmax(plain(input_ids=ids).logits[0, :-1].float(), -1)
+    want = [lp[len(nxt) - 1 + i, t].item() for i, t in enumerate(t2.output_ids)]
+    assert torch.allclose(torch.tensor(t2.logprobs), torch.tensor(want), atol=1e-4)
+    assert after.output_ids == t2.output_ids  # same weights: same tokens, with the prefix recomputed

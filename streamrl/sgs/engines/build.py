@@ -27,6 +27,7 @@ def engine_kwargs(cfg: "Config", tokenizer, threads: int, instance: str, seed: i
               num_threads=threads, seed=seed, instance=instance)
     if g.engine == "transformers":
         kw["attention"] = g.cb_attention
+        kw["prefix_cache"] = cfg.task.multi_turn if g.prefix_cache is None else g.prefix_cache
     return kw
 
 

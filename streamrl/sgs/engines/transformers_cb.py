@@ -6,7 +6,8 @@ three threads (callers, our drain thread, CB's loop); ``_lock`` guards our struc
 
 Invariants: admission order is ours (our priority heap hands CB at most ``max_inflight``
 requests); weights are copied only while CB's loop is parked between two steps, so no step
-straddles an update and every token carries the version that sampled it; prefix sharing is off.
+straddles an update and every token carries the version that sampled it; prefix sharing is off
+unless ``prefix_cache`` (then no request reuses keys written before the last update).
 The class docstring has the dataflow; caveats found in transformers 5.23 CB sit beside the lines
 they explain. docs/design.md, "Generation", says why.
 """
@@ -14,6 +15,7 @@ they explain. docs/design.md, "Generation", says why.
 from __future__ import annotations
 
 import bisect
+import secrets
 import threading
 import time
 from dataclasses import replace
@@ -84,6 +86,7 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
         instance: str = "",
         initial_version: int = 0,
         attention: str = "varlen",
+        prefix_cache: bool = False,
     ) -> None:
         check_arg(attention in ("varlen", "dense"), "attention", attention, "'varlen' or 'dense'")
         max_inflight = check_engine_args(temperature, top_p, max_requests_per_batch, max_inflight,
@@ -112,10 +115,12 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             do_sample=not greedy, temperature=None if greedy else temperature, top_p=None if greedy else top_p,
             top_k=0, eos_token_id=eos_list if eos_list else -1, pad_token_id=pad_token_id,
         )
-        # allow_block_sharing=False: CB's prefix cache would reuse KV blocks computed under old weights.
+        # CB's prefix cache (block sharing) would reuse KV blocks computed under old weights: it is on
+        # only with prefix_cache, and every weight update makes the blocks before it unmatchable.
+        self._prefix_cache = bool(prefix_cache)
         cb_cfg = ContinuousBatchingConfig(
             return_logprobs=True, page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-            max_requests_per_batch=max_requests_per_batch, allow_block_sharing=False, seed=seed,
+            max_requests_per_batch=max_requests_per_batch, allow_block_sharing=self._prefix_cache, seed=seed,
         )
         self._manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
 
@@ -306,6 +311,8 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             # Under _lock: a request admitted during the copy is stamped with the new version.
             with self._lock, torch.no_grad():
                 write()
+                if self._prefix_cache:
+                    self._forget_prefixes()
                 active = self._active_states()
                 for cb_id in self._inflight:  # tokens sampled so far keep their version, the rest get this one
                     state = active.get(cb_id)
@@ -318,6 +325,24 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
             self._stats["gen/weight_updates"] += 1
             self._stats["gen/pause_wait_s"] += t1 - t0
             self._stats["gen/weight_update_s"] += t2 - t0
+
+    def _forget_prefixes(self) -> None:
+        """Make every KV block written so far unmatchable by later requests (the loop is parked).
+
+        Unreferenced cached blocks go back to the pool; a block a running request still holds gets
+        a fresh random hash: its request keeps it (partial rollout keeps a running request's keys),
+        and the blocks it completes later chain from that hash, so no request admitted after this
+        update reuses keys computed under the weights before it."""
+        processor = self._manager.batch_processor
+        if processor is None:
+            return
+        processor.cache.evict_cached_blocks()
+        for allocator in processor.cache.cache_allocators.values():
+            ledger = allocator.ledger
+            for block, old in list(ledger.block_to_hash.items()):
+                del ledger.hash_to_block[old]
+                new = secrets.randbits(64)
+                ledger.hash_to_block[new], ledger.block_to_hash[block] = block, new
 
     def stall(self) -> None:
         """Park the CB loop between two steps and never resume it (fault injection)."""
