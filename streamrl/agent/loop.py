@@ -42,6 +42,7 @@ class Trajectory:
     generated: int = 0  # output tokens so far (env tokens included)
     sampled: int = 0  # of which the policy sampled
     budget: int = 0  # sampled tokens it may have in all (generation.max_new_tokens)
+    instances: list[str] = field(default_factory=list)  # the instance that ran each turn
 
 
 def row_of(prompt: Prompt) -> dict:
@@ -103,6 +104,7 @@ class AgentLoop:
         """A turn finished (``so_far``: the trajectory's output up to and including it)."""
         t = self.trajs[c.request_id]
         t.turns += 1
+        t.instances.append(c.instance)
         self.counters["turns"] += 1
         t.generated, t.sampled = len(so_far.output_ids), sum(so_far.mask())
         t.text = self.tok.decode(list(so_far.output_ids[t.turn_start:]), skip_special_tokens=True)
@@ -171,7 +173,7 @@ class AgentLoop:
         if self.has_env:
             self.runner.submit(rid, "close", {}, [])
         episode = {"turns": t.turns, "env_tokens": t.env_tokens, "tool_calls": t.tool_calls,
-                   "tool_errors": t.tool_errors, "cut": cut, "error": t.error}
+                   "tool_errors": t.tool_errors, "cut": cut, "error": t.error, "instances": t.instances}
         if self.has_env:
             episode["env_reward"] = 0.0 if t.error else t.reward
         item = (rid, None, episode)

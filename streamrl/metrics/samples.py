@@ -57,7 +57,7 @@ class SampleLog:
         to them (a special token sampled mid-response is dropped from the text). A multi-turn
         trajectory adds ``turns``, ``env_tokens`` (its tokens the policy did not sample, loss mask
         0), ``tool_calls``, ``tool_errors``, ``cut`` (``max_turns``, ``max_new_tokens``, ``context``
-        or null) and ``loss_mask``; its ``length`` counts the sampled tokens only."""
+        or null), ``turn_instances`` (the instance of each turn) and ``loss_mask``; its ``length`` counts the sampled tokens only."""
         samples = list(samples)
         keys = {s.prompt.prompt_id for s in samples}
         for s in samples:
@@ -85,7 +85,8 @@ def _episode(c) -> dict:
         return {}
     e = c.episode
     return {"turns": e["turns"], "env_tokens": e["env_tokens"], "tool_calls": e["tool_calls"],
-            "tool_errors": e["tool_errors"], "cut": e["cut"], "loss_mask": list(c.mask())}
+            "tool_errors": e["tool_errors"], "cut": e["cut"], "turn_instances": e["instances"],
+            "loss_mask": list(c.mask())}
 
 
 def _logprobs(c) -> dict:

@@ -84,7 +84,7 @@ def test_trajectories_stream_train_once_through_a_kill_with_masks_and_versions(r
     assert multi >= 4  # trajectories with several turns happened
 
 
-def test_train_logs_turns_env_tokens_and_counts_a_failing_env(ray_session, tiny_policy_dir, tmp_path):
+def test_train_logs_turns_on_one_instance_env_tokens_and_counts_a_failing_env(ray_session, tiny_policy_dir, tmp_path):
     from streamrl import train
 
     env = tmp_path / "flaky_env.py"
@@ -97,12 +97,16 @@ def test_train_logs_turns_env_tokens_and_counts_a_failing_env(ray_session, tiny_
     summary = train(overrides=[f"policy.path={tiny_policy_dir}", "mode=stream-sync", "run.iterations=2",
                                f"run.out_dir={tmp_path / 'run'}", "generation.max_new_tokens=32", "generation.n_samples=2",
                                "generation.prompts_per_iter=4", "task.num_eval=4", "run.eval_samples=1",
-                               "logging.samples=true", f"task.env={env}:Flaky", "task.max_turns=2"], echo=lambda m: None)
+                               "logging.samples=true", f"task.env={env}:Flaky", "task.max_turns=2",
+                               "generation.num_instances=2", "generation.cpus_per_instance=0.5"], echo=lambda m: None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 4 * 2 and summary["trained_samples_unique"] == len(rows)
     for r in rows:
         assert r["turns"] >= 1 and r["tool_calls"] == 0 and r["loss_mask"].count(0) == r["env_tokens"]
         assert r["cut"] in (None, "max_turns", "max_new_tokens")
+        assert len(r["turn_instances"]) == r["turns"] and len(set(r["turn_instances"])) == 1  # its turns on one instance
+    assert {i for r in rows for i in r["turn_instances"]} == {"gen-0", "gen-1"}
+    assert any(r["turns"] > 1 for r in rows)
     failed = [r for r in rows if r["reward_error"]]
     assert all(r["reward"] == 0.0 and "flaky env" in r["reward_error"] for r in failed)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

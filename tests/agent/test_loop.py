@@ -91,7 +91,8 @@ def test_a_tool_turn_then_an_answer_is_one_trajectory_with_env_tokens_masked(set
     assert done.loss_mask == (1,) * n1 + (0,) * ne + (1,) * n2 and done.generated == n1 + n2
     assert done.versions() == (0,) * (n1 + ne) + (1,) * n2 and done.version_start == 0
     assert done.logprobs[n1:n1 + ne] == (0.0,) * ne
-    assert episode == {"turns": 2, "env_tokens": ne, "tool_calls": 1, "tool_errors": 0, "cut": None, "error": None}
+    assert episode == {"turns": 2, "env_tokens": ne, "tool_calls": 1, "tool_errors": 0, "cut": None, "error": None,
+                       "instances": ["gen-0", "gen-0"]}
     assert ledger.record(rid).state is State.DONE
 
 

@@ -410,4 +410,4 @@ def test_every_field_description_is_its_attribute_docstring():
         keywords = [k.arg for k in ast.walk(ast.parse(path.read_text())) if isinstance(k, ast.keyword)]
         assert "description" not in keywords, path.name
     assert GenerationConfig.model_fields["temperature"].description == "sampling temperature"
-    assert len(GenerationConfig.model_fields) == 36
+    assert len(GenerationConfig.model_fields) == 37
