@@ -61,12 +61,14 @@ def test_trajectories_stream_train_once_through_a_kill_with_masks_and_versions(r
         pipe.finish()
         trained = pipe.trained_ids()
         counters = dict(pipe.sgs.counters)
+        recent = list(pipe.sgs._recent)  # the lengths dispatch and the ranker learn from
     finally:
         pipe.shutdown()
         ctx.close()
     ids = [s.completion.request_id for s in samples]
     assert len(ids) == 3 * 4 * 2 and len(set(ids)) == len(ids) and sorted(trained) == sorted(ids)
     assert counters["sgs/faults"] == 1 and metrics["agent/trajectories"] >= len(ids)
+    assert sorted(recent) == sorted(s.completion.generated for s in samples)  # a trajectory's sampled tokens
     multi = 0
     for s in samples:
         c, e = s.completion, s.completion.episode
