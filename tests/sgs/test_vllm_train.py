@@ -51,9 +51,10 @@ def ray_three_cpus():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_stream_async_run_with_two_vllm_instances(ray_three_cpus, vllm_policy_dir, tmp_path, lora):
-    """With LoRA the trainer publishes the adapter alone and each vLLM instance merges it."""
+@pytest.mark.parametrize("variant", ["full", "lora", "multi-turn"])
+def test_stream_async_run_with_two_vllm_instances(ray_three_cpus, vllm_policy_dir, tmp_path, variant):
+    """With LoRA the trainer publishes the adapter alone and each vLLM instance merges it; multi-turn
+    trajectories (the scripted chain env) run their turns on vLLM instances."""
     from streamrl.controller.driver import train
 
     iterations = 4
@@ -63,7 +64,8 @@ def test_stream_async_run_with_two_vllm_instances(ray_three_cpus, vllm_policy_di
         "generation.num_instances=2", "generation.max_new_tokens=32", "generation.n_samples=4",
         "generation.prompts_per_iter=6", "task.num_eval=8", "run.eval_samples=1", "cluster.num_cpus=3",
         "logging.backends=[console,jsonl]", f"run.iterations={iterations}", "trainer.lr=1e-3",
-        *(["trainer.lora.rank=4", "trainer.lr=1e-2"] if lora else [])])
+        *(["trainer.lora.rank=4", "trainer.lr=1e-2"] if variant == "lora" else []),
+        *(["task.env=streamrl.agent.scripted:ChainEnv", "logging.samples=true"] if variant == "multi-turn" else [])])
     lines: list[str] = []
     summary = train(cfg, echo=lines.append)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -78,11 +80,15 @@ def test_stream_async_run_with_two_vllm_instances(ray_three_cpus, vllm_policy_di
     assert {e["who"] for e in gens} == {"gen-0", "gen-1"}
     assert max(e["version"] for e in gens) >= iterations - 2
     assert "eval/accuracy" in summary["after"] and len(summary["rewards"]) == iterations
-    assert (out / "checkpoint" / "policy" / ("adapter_config.json" if lora else "config.json")).is_file()
+    if variant == "multi-turn":
+        rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        assert len(rows) == iterations * 6 * 4 and any(r["turns"] > 1 for r in rows)
+        assert all(r["loss_mask"].count(0) == r["env_tokens"] and len(set(r["turn_instances"])) == 1 for r in rows)
+    assert (out / "checkpoint" / "policy" / ("adapter_config.json" if variant == "lora" else "config.json")).is_file()
     fetched = [e["meta"]["bytes"] for e in json.loads((out / "timeline.json").read_text())["events"]
                if e["what"] == "weight_fetch"]
     adapter = 2 * 4 * 4 * (64 + 64 + 64 + 32 + 64 + 32 + 64 + 64 + 3 * (64 + 128))  # 2 layers x rank 4 x fp32
-    assert fetched and all((b <= adapter + 4096) == lora for b in fetched)  # the adapter alone, or everything
+    assert fetched and all((b <= adapter + 4096) == (variant == "lora") for b in fetched)  # the adapter alone, or everything
 
 
 def test_rebalancing_moves_running_vllm_requests_with_their_prefix(ray_three_cpus, vllm_policy_dir):
