@@ -70,14 +70,15 @@ def _dry_run(cfg, args) -> int:
     report = dry_run(cfg)
     print(format_plan(plan_placement(cfg)))
     for key in ("mode", "engine", "policy", "policy_present", "task_file", "task_file_present",
-                "eval_file", "eval_file_present", "reward", "reward_present"):
+                "eval_file", "eval_file_present", "reward", "reward_present", "env", "env_present"):
         if key in report:
             print(f"  {key}: {report[key]}")
     write_json(args.out, report)
     missing = [name for name, ok in (("policy.path", report["policy_present"]),
                                      ("task.train_path", report.get("task_file_present", True)),
                                      ("task.eval_path", report.get("eval_file_present", True)),
-                                     ("task.reward", report.get("reward_present", True))) if not ok]
+                                     ("task.reward", report.get("reward_present", True)),
+                                     ("task.env/task.tools", report.get("env_present", True))) if not ok]
     if missing:
         print(f"dry run: missing input(s): {', '.join(missing)}")
         return 2
@@ -128,4 +129,13 @@ def dry_run(cfg) -> dict[str, Any]:
             report["reward"], report["reward_present"] = reward_specs(cfg.task), True
         except RewardSpecError as exc:
             report["reward"], report["reward_present"] = str(exc), False
+    if cfg.task.multi_turn:
+        from streamrl.controller.setup import agent_schemas
+        from streamrl.tasks.user_reward import RewardSpecError
+
+        try:
+            agent_schemas(cfg)
+            report["env"], report["env_present"] = [cfg.task.env, *cfg.task.tools], True
+        except RewardSpecError as exc:
+            report["env"], report["env_present"] = str(exc), False
     return report

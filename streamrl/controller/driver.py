@@ -28,6 +28,10 @@ def train(cfg: Config, echo=print, reward_fn=None, callbacks=()) -> dict[str, An
 
     plan = plan_placement(cfg)  # once, before any work: an impossible plan fails here, naming the keys
     reward = user_reward(cfg, reward_fn)
+    if cfg.task.multi_turn:  # the env and tools import, with schemas, before any work
+        from streamrl.controller.setup import agent_schemas
+
+        agent_schemas(cfg)
     rundir = RunDir(cfg.run.out_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)  # locked for the run
     try:
         return run_training(cfg, echo, reward, callbacks, plan, rundir)

@@ -110,20 +110,26 @@ class RunContext:
             self.agent.close()
 
 
+def agent_schemas(cfg: Config) -> list[dict]:
+    """Import ``task.env`` and ``task.tools`` (``RewardSpecError`` naming a bad entry, before any
+    work, not in every trajectory's reset) and return the tools' schemas."""
+    from streamrl.agent.env import load_env_class, load_tools
+    from streamrl.agent.tools import schema
+
+    if cfg.task.env:
+        load_env_class(cfg.task.env)
+    return [schema(fn) for fn in load_tools(cfg.task.tools).values()]
+
+
 def agent_loop(cfg: Config, tokenizer, builder: RequestBuilder):
     """The run's multi-turn loop: env and tools in their worker processes, the chat renderer."""
     from streamrl.agent.chat import TurnRenderer
-    from streamrl.agent.env import EnvHost, load_tools
+    from streamrl.agent.env import EnvHost
     from streamrl.agent.loop import AgentLoop
     from streamrl.agent.runner import EnvRunner
-    from streamrl.agent.tools import schema
-
-    from streamrl.agent.env import load_env_class
 
     t = cfg.task
-    if t.env:
-        load_env_class(t.env)  # a typo stops the run here, naming the entry, not in every trajectory's reset
-    schemas = [schema(fn) for fn in load_tools(t.tools).values()]
+    schemas = agent_schemas(cfg)
     runner = EnvRunner(EnvHost(t.env, t.tools), workers=t.env_workers, timeout_s=t.env_timeout_s)
     return AgentLoop(cfg, TurnRenderer(builder.formatter, schemas), runner, tokenizer, has_env=bool(t.env))
 

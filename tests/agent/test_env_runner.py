@@ -97,3 +97,19 @@ def test_the_readme_environment_runs_under_the_contract(tmp_path):
     assert wrong["messages"] == [{"role": "user", "content": "No, try again."}] and not wrong["done"]
     right = host("step", "t", row, ["7", "it is 42"])
     assert right == {"messages": [], "reward": 0.5, "done": True, "env_step": True}
+
+
+def test_a_bad_env_or_tool_stops_the_cli_in_one_line_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "tools.py").write_text("def bare(a, b):\n    return a\n")
+    cases = [(["task.env=missing_env.py:Nope"], "task.env='"), ([f"task.tools=[{tmp_path / 'tools.py'}:bare]"], "task.tools entry")]
+    for overrides, named in cases:
+        for dry in ([], ["--dry-run"]):
+            proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "train", "mode=stream-async",
+                                   f"run.out_dir={tmp_path / 'run'}", *overrides, *dry],
+                                  capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert named in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory
