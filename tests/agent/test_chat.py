@@ -3,21 +3,9 @@ markup and the env's messages, equal to what the chat template renders for the w
 
 from __future__ import annotations
 
-import pytest
-
 from streamrl.agent.chat import TurnRenderer
 from streamrl.agent.tools import schema
 from streamrl.models.hf import PromptFormatter
-from tests.helpers import make_qwen2_bpe_checkpoint
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("chatml")
-    make_qwen2_bpe_checkpoint(path, ["what is 2+3? call add then answer 5 tool user assistant"] * 20)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def add(a: int, b: int) -> int:

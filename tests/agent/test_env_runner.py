@@ -104,12 +104,12 @@ def test_a_bad_env_or_tool_stops_the_cli_in_one_line_naming_it(tmp_path):
     import sys
 
     (tmp_path / "tools.py").write_text("def bare(a, b):\n    return a\n")
-    cases = [(["task.env=missing_env.py:Nope"], "task.env='"), ([f"task.tools=[{tmp_path / 'tools.py'}:bare]"], "task.tools entry")]
+    cases = [(["task.env=missing_env.py:Nope"], "task.env='"),  # a run
+             ([f"task.tools=[{tmp_path / 'tools.py'}:bare]", "--dry-run"], "task.tools entry")]  # a dry run
     for overrides, named in cases:
-        for dry in ([], ["--dry-run"]):
-            proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "train", "mode=stream-async",
-                                   f"run.out_dir={tmp_path / 'run'}", *overrides, *dry],
-                                  capture_output=True, text=True, timeout=120, cwd=tmp_path)
-            assert proc.returncode == 2, proc.stderr[-2000:]
-            assert named in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+        proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "train", "mode=stream-async",
+                               f"run.out_dir={tmp_path / 'run'}", *overrides],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert named in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()  # refused before the run directory

@@ -16,7 +16,6 @@ from streamrl.config import load_config
 from streamrl.models.hf import PromptFormatter
 from streamrl.sgs.ledger import Ledger, State
 from streamrl.types import Completion, Prompt
-from tests.helpers import make_qwen2_bpe_checkpoint
 
 TOOLS = textwrap.dedent('''
     def add(a: int, b: int) -> int:
@@ -32,12 +31,9 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from transformers import AutoTokenizer
-
+def setup(tmp_path_factory, chat_tokenizer):
     d = tmp_path_factory.mktemp("loop")
-    make_qwen2_bpe_checkpoint(d / "m", ["what is 2+3? answer 5 tool_call name add arguments"] * 20)
-    tok = AutoTokenizer.from_pretrained(d / "m")
+    tok = chat_tokenizer
     (d / "tools.py").write_text(TOOLS)
     spec = f"{d / 'tools.py'}:add"
     cfg = load_config(None, ["mode=stream-async", f"task.tools=['{spec}']", "task.max_turns=3",
