@@ -57,6 +57,8 @@ class TaskConfig(_Section):
     """at most this many training prompts"""
     num_eval: int = Field(256, ge=1)
     """held-out prompts"""
+    reward_workers: int = Field(2, ge=1)
+    """isolated reward worker processes scoring in parallel as completions stream in"""
     reward_timeout_s: float = Field(5.0, gt=0)
     """a reward call taking longer scores as an error"""
     on_reward_error: Literal["zero", "raise"] = "zero"

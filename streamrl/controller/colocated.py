@@ -121,7 +121,7 @@ class ColocatedPipeline(Pipeline):
         requests = self.ctx.builder.build(prompts, iteration)
         completions, gen_s = self._tget(self.worker.generate.remote(requests), f"generate (iteration {iteration})")
         t_gen_end = time.time()
-        samples = [self.ctx.scorer.score(c, iteration) for c in completions]
+        samples = self.ctx.scorer.score_many(completions, iteration)
         t_train = time.time()
         metrics = self._tget(self.worker.train.remote(samples), f"train (iteration {iteration})")
         t_end = time.time()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,8 +102,22 @@ class RequestBuilder:
         return reqs
 
 
+class Scoring:
+    """One completion being scored (``Scorer.submit``): ``done()``, then ``sample()``."""
+
+    def __init__(self, make, future) -> None:
+        self._make, self._future = make, future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def sample(self) -> Sample:
+        return self._make(*self._future.result())
+
+
 class Scorer:
-    """Turns engine completions into scored ``Sample``s with the task's verifiable reward."""
+    """Turns engine completions into scored ``Sample``s with the task's verifiable reward, up to
+    ``task.reward_workers`` at once (``submit``), so scoring keeps up with a stream of completions."""
 
     def __init__(self, task, tokenizer, reward_runner) -> None:
         self.tokenizer = tokenizer
@@ -114,19 +129,30 @@ class Scorer:
         for p in prompts:
             self.prompts[p.prompt_id] = p
 
-    def score(self, c: Completion, iteration: int) -> Sample:
-        """A trajectory with an environment keeps the env's reward (its turn rewards summed);
-        anything else is scored by the task's reward on the decoded text (for a trajectory: the
-        whole conversation after the prompt)."""
+    def submit(self, c: Completion, iteration: int) -> Scoring:
+        """Start scoring ``c``. A trajectory with an environment keeps the env's reward (its turn
+        rewards summed); anything else is scored by the task's reward on the decoded text (for a
+        trajectory: the whole conversation after the prompt)."""
         prompt = self.prompts[c.prompt_id]
         text = self.tokenizer.decode(list(c.output_ids), skip_special_tokens=True)
+
+        def make(reward: float, info: dict) -> Sample:
+            return Sample(prompt=prompt, sample_idx=c.sample_idx, completion=c, response_text=text,
+                          reward=float(reward), reward_info=info, iteration=iteration)
+
         if "env_reward" in c.episode:
             error = c.episode.get("error")
-            reward, info = c.episode["env_reward"], ({"error": error} if error else {})
-        else:
-            reward, info = self.reward(prompt, text)
-        return Sample(prompt=prompt, sample_idx=c.sample_idx, completion=c, response_text=text,
-                      reward=float(reward), reward_info=info, iteration=iteration)
+            future: Future = Future()
+            future.set_result((c.episode["env_reward"], {"error": error} if error else {}))
+            return Scoring(make, future)
+        return Scoring(make, self.reward.submit(prompt, text))
+
+    def score(self, c: Completion, iteration: int) -> Sample:
+        return self.submit(c, iteration).sample()
+
+    def score_many(self, completions, iteration: int) -> list[Sample]:
+        """Every completion scored, in their order, the rewards computed in parallel."""
+        return [p.sample() for p in [self.submit(c, iteration) for c in completions]]
 
 
 def length_stats(lengths: list[int] | np.ndarray, prefix: str = "resp_len") -> dict[str, float]:

@@ -17,7 +17,7 @@ def evaluate(pipeline, ctx, prompts, samples_per_prompt: int, tag: str) -> dict[
     finally:
         ctx.builder.n = n_saved
     completions = pipeline.generate(requests)
-    samples = [ctx.scorer.score(c, 0) for c in completions]
+    samples = ctx.scorer.score_many(completions, 0)
     lengths = [s.num_response_tokens for s in samples]
     return {"eval/accuracy": float(np.mean([s.reward >= 1.0 for s in samples])),
             "eval/reward": float(np.mean([s.reward for s in samples])), "eval/samples": len(samples),

@@ -11,6 +11,7 @@ generation service through its public methods only.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -34,7 +35,7 @@ class WholeBatch:
 
     def run(self, iteration: int, requests: list[GenRequest], upcoming) -> tuple[list, ray.ObjectRef]:
         p = self.pipe
-        samples = [p.ctx.scorer.score(c, iteration) for c in p.sgs.generate(requests)]
+        samples = [s.sample() for s in [p.ctx.scorer.submit(c, iteration) for c in p.sgs.generate(requests)]]
         groups = units_of(samples, p.cfg.trainer.algo)
         return samples, p.trainer.add_groups.remote(iteration, groups, len(groups))
 
@@ -58,18 +59,27 @@ class Streaming(WholeBatch):
         n = p.cfg.generation.n_samples if p.cfg.trainer.algo == "grpo" else 1
         expected = len({r.prompt_id for r in requests}) if n > 1 else len(requests)
         samples, open_groups, outbox, last_ref = [], {}, [], None
+        scoring: deque = deque()  # rewards computing in the reward workers, in completion order
+
+        def take(wait: bool) -> None:  # scored samples, in completion order, into groups and to the trainer
+            nonlocal outbox, last_ref
+            while scoring and (wait or scoring[0].done()):
+                s = scoring.popleft().sample()
+                samples.append(s)
+                key = s.prompt.prompt_id if n > 1 else s.completion.request_id
+                group = open_groups.setdefault(key, [])
+                group.append(s)
+                if len(group) == n:
+                    del open_groups[key]
+                    outbox.append(Group.of(sorted(group, key=lambda x: x.sample_idx)))
+                if outbox and (last_ref is None or not ray.wait([last_ref], timeout=0)[1]):
+                    last_ref = p.trainer.add_groups.remote(iteration, outbox, expected)
+                    outbox = []
+
         for c in self.completions(iteration, requests, upcoming):
-            s = p.ctx.scorer.score(c, iteration)
-            samples.append(s)
-            key = s.prompt.prompt_id if n > 1 else c.request_id
-            group = open_groups.setdefault(key, [])
-            group.append(s)
-            if len(group) == n:
-                del open_groups[key]
-                outbox.append(Group.of(sorted(group, key=lambda x: x.sample_idx)))
-            if outbox and (last_ref is None or not ray.wait([last_ref], timeout=0)[1]):
-                last_ref = p.trainer.add_groups.remote(iteration, outbox, expected)
-                outbox = []
+            scoring.append(p.ctx.scorer.submit(c, iteration))
+            take(wait=False)
+        take(wait=True)
         if outbox:
             last_ref = p.trainer.add_groups.remote(iteration, outbox, expected)
         return samples, last_ref

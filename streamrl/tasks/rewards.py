@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Literal, Mapping
 
@@ -211,6 +212,8 @@ class RewardRunner:
         self._lock = threading.Lock()
         self._counts = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0}
         self._busy_s = 0.0
+        self._callers = None  # threads feeding the workers (``submit``), made on first use
+        self.num_workers = num_workers
         if fast:
             return
         try:  # cloudpickle: a function from the user's own script or __main__ travels by value
@@ -243,6 +246,7 @@ class RewardRunner:
             evals = task.eval_prompts()
             warmup = (evals[0], f"\\boxed{{{evals[0].answer}}}") if evals else None
         kwargs.setdefault("warmup", warmup)
+        kwargs.setdefault("num_workers", getattr(cfg, "reward_workers", 1))
         return cls(
             reward_fn if reward_fn is not None else task.reward,
             timeout_s=cfg.reward_timeout_s,
@@ -278,6 +282,21 @@ class RewardRunner:
             raise RewardError(f"reward for prompt {prompt.prompt_id!r} failed: {message}")
         log.warning("reward for prompt %r scored 0.0: %s", prompt.prompt_id, (message.splitlines() or [''])[0])
         return 0.0, {"error": message}
+
+    def submit(self, prompt: Prompt, response: str) -> "Future[tuple[float, dict[str, Any]]]":
+        """``self(prompt, response)`` without waiting: up to ``num_workers`` calls run at once, one
+        per worker process. A fast runner scores here and returns a finished future."""
+        if self.fast:
+            done: Future = Future()
+            try:
+                done.set_result(self(prompt, response))
+            except BaseException as exc:  # on_error="raise": the caller's result() raises it
+                done.set_exception(exc)
+            return done
+        with self._lock:
+            if self._callers is None:
+                self._callers = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="reward")
+        return self._callers.submit(self, prompt, response)
 
     def _call_isolated(self, prompt: Prompt, response: str) -> tuple[str, Any]:
         if self._closed:
@@ -320,6 +339,8 @@ class RewardRunner:
         if self.fast or self._closed:
             return
         self._closed = True
+        if self._callers is not None:
+            self._callers.shutdown(wait=False, cancel_futures=True)
         self._finalizer()
 
     def __enter__(self) -> "RewardRunner":

@@ -41,16 +41,16 @@ def test_trajectories_stream_train_once_through_a_kill_with_masks_and_versions(r
     ctx = RunContext(cfg, task, tok)
     pipe = make_pipeline(cfg, ctx)
     stream = PromptStream(task.train_prompts(), seed=0)
-    score, killed = ctx.scorer.score, []
+    submit, killed = ctx.scorer.submit, []
 
-    def score_then_kill(c, iteration):  # the first trajectory of iteration 1 back: the others are mid-way
+    def submit_then_kill(c, iteration):  # the first trajectory of iteration 1 back: the others are mid-way
         if iteration == 1 and not killed:
             name = next(iter(pipe.sgs.instances))
             killed.append(ray.get(pipe.sgs.instances[name].pid.remote()))
             os.kill(killed[-1], signal.SIGKILL)
-        return score(c, iteration)
+        return submit(c, iteration)
 
-    ctx.scorer.score = score_then_kill
+    ctx.scorer.submit = submit_then_kill
     samples = []
     try:
         for it in range(3):

@@ -195,15 +195,15 @@ def test_pipeline_trains_every_sample_once_through_instance_kills(ray_session, t
     ctx = RunContext(cfg, task, tok)
     pipe = make_pipeline(cfg, ctx)
     stream = PromptStream(task.train_prompts(), seed=0)
-    score, killed = ctx.scorer.score, []
+    submit, killed = ctx.scorer.submit, []
 
-    def score_then_kill(c, iteration):  # the scorer sees each completion as it streams in
+    def submit_then_kill(c, iteration):  # the scorer sees each completion as it streams in
         if iteration == 2 and not killed:
             killed.append(_pid(pipe.sgs, next(iter(pipe.sgs.instances))))
             os.kill(killed[-1], signal.SIGKILL)
-        return score(c, iteration)
+        return submit(c, iteration)
 
-    ctx.scorer.score = score_then_kill
+    ctx.scorer.submit = submit_then_kill
     sent = []
     try:
         for it in range(4):

@@ -49,6 +49,17 @@ def nan_reward(prompt: Prompt, response: str) -> float:
     return float("nan")
 
 
+def barrier_reward(prompt: Prompt, response: str) -> float:
+    """``"<dir>:<n>"``: marks its start in ``dir``, then waits (up to a minute) until ``n`` calls
+    have started: 1.0 only if ``n`` calls ran at the same time. Reports its process id."""
+    folder, n = response.rsplit(":", 1)
+    open(os.path.join(folder, f"started-{os.getpid()}-{time.monotonic_ns()}"), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(folder)) < int(n) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"score": float(len(os.listdir(folder)) >= int(n)), "pid": float(os.getpid())}
+
+
 def test_fast_path_scores_in_process_with_empty_info() -> None:
     runner = RewardRunner(exact_reward, fast=True)
     assert runner(PROMPT, "5") == (1.0, {})
@@ -186,3 +197,16 @@ def test_runner_works_in_a_script_without_main_guard_and_exits_cleanly() -> None
     out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "(1.0, {}) (0.0, {})", out.stdout + out.stderr
+
+
+def test_submitted_calls_run_at_once_one_per_worker_process(tmp_path) -> None:
+    """``num_workers`` calls score at the same time, each in its own worker process (a reward
+    that waits for all of them to start scores 1.0 only then)."""
+    with RewardRunner(barrier_reward, timeout_s=90.0, num_workers=3) as runner:
+        futures = [runner.submit(PROMPT, f"{tmp_path}:3") for _ in range(3)]
+        results = [f.result() for f in futures]
+        assert [r[0] for r in results] == [1.0, 1.0, 1.0]
+        assert len({r[1]["components"]["pid"] for r in results}) == 3
+        assert runner.metrics()["reward/calls"] == 3.0
+    with RewardRunner(exact_reward, fast=True) as fast:
+        assert fast.submit(PROMPT, "5").result() == (1.0, {})  # a fast runner scores at once
