@@ -42,6 +42,13 @@ class Config(_Section):
     placement: PlacementConfig = PlacementConfig()
     weights: WeightsConfig = WeightsConfig()
 
+    def wire_dtype(self) -> str:
+        """``weights.wire_dtype``, or the engines' own dtype when it is None (bf16 on cuda)."""
+        if self.weights.wire_dtype is not None:
+            return self.weights.wire_dtype
+        engine_dtype = str(self.generation.vllm.get("dtype", "bfloat16")).replace("torch.", "")
+        return "bfloat16" if self.placement.device == "cuda" and engine_dtype not in ("float32", "float") else "float32"
+
     def staleness_bound(self) -> int:
         """The staleness bound k the run holds: ``trainer.max_staleness``, else the mode's."""
         from streamrl.modes import get_mode
@@ -88,6 +95,13 @@ class Config(_Section):
             if t.entropy_coef > 0:
                 raise ValueError(f"trainer.backend='fsdp' has no entropy bonus: trainer.entropy_coef={t.entropy_coef} "
                                  "is not supported (set it to 0)")
+            if t.correction == "decoupled" and t.epochs > 1:
+                raise ValueError(f"trainer.correction='decoupled' with trainer.epochs={t.epochs} is not supported on "
+                                 "trainer.backend='fsdp' (the proximal log-probs would not be kept across epochs)")
+        if self.generation.top_p < 1 and t.correction != "none":
+            raise ValueError(f"generation.top_p={self.generation.top_p} with trainer.correction={t.correction!r}: the "
+                             "engines' log-probs are of the top-p-truncated distribution and the trainer's are not, so "
+                             "the importance ratios would be biased; use top_p=1 or correction='none'")
         return self
 
 

@@ -17,8 +17,10 @@ class WeightsConfig(_Section):
     instance re-publishes to its site, weights.fanout at a time)"""
     fanout: int = Field(2, ge=1)
     """tree: nodes each relay feeds inside its site"""
-    wire_dtype: Literal["float32", "bfloat16"] = "float32"
-    """dtype of floating-point weights on the wire (bfloat16 halves the bytes; instances keep their own dtype)"""
+    wire_dtype: Literal["float32", "bfloat16"] | None = None
+    """dtype of floating-point weights on the wire (bfloat16 halves the bytes; instances keep their own dtype);
+    None = the engines' dtype: bfloat16 on placement.device=cuda (unless generation.vllm.dtype is float32), float32
+    on CPU"""
     delta: bool = False
     """send only the 16-bit words that changed since the version an instance holds (lossless, CRC-checked); a new or
     lagging instance gets a full copy"""

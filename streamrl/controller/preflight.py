@@ -44,7 +44,7 @@ def checkpoint_parameters(path: str | Path) -> int | None:
 
 def estimate_gb(cfg, params: int) -> dict[str, float]:
     """Estimated peak resident memory (GB) per process kind, and ``total`` on this machine."""
-    t, wire = cfg.trainer, 2 if cfg.weights.wire_dtype == "bfloat16" else 4
+    t, wire = cfg.trainer, 2 if cfg.wire_dtype() == "bfloat16" else 4
     if t.lora.rank > 0:  # frozen weights; the adapters, their state and the published copies are small
         trainer = params * (4 + (16 if t.algo == "ppo" else 0)) / GB + 1
     else:

@@ -214,7 +214,7 @@ class FSDPRank:
             from streamrl.weights.engine import WeightPublisher
 
             w = self.cfg.weights
-            self._publisher = WeightPublisher(w.wire_dtype, w.delta, w.bucket_mb)
+            self._publisher = WeightPublisher(self.cfg.wire_dtype(), w.delta, w.bucket_mb)
         return self._publisher.publish(state, version)
 
     def parameters_vector(self) -> np.ndarray:

@@ -435,7 +435,7 @@ class Trainer:
             from streamrl.weights.engine import WeightPublisher
 
             w = self.cfg.weights
-            self._publisher = WeightPublisher(w.wire_dtype, w.delta, w.bucket_mb)
+            self._publisher = WeightPublisher(self.cfg.wire_dtype(), w.delta, w.bucket_mb)
         state = lora.adapter_tensors(self.model) if self.lora else self.model.state_dict()
         return self._publisher.publish(state, self.version)
 

@@ -411,3 +411,23 @@ def test_every_field_description_is_its_attribute_docstring():
         assert "description" not in keywords, path.name
     assert GenerationConfig.model_fields["temperature"].description == "sampling temperature"
     assert len(GenerationConfig.model_fields) == 37
+
+
+def test_the_wire_dtype_follows_the_engines_unless_set():
+    assert load_config(None, []).wire_dtype() == "float32"
+    cuda = ["placement.device=cuda", "trainer.backend=fsdp", "generation.engine=vllm", "generation.vllm.device=cuda",
+            "mode=stream-async"]
+    assert load_config(None, cuda).wire_dtype() == "bfloat16"
+    assert load_config(None, [*cuda, "generation.vllm.dtype=float32"]).wire_dtype() == "float32"
+    assert load_config(None, [*cuda, "weights.wire_dtype=float32"]).wire_dtype() == "float32"
+    assert load_config(None, ["weights.wire_dtype=bfloat16"]).wire_dtype() == "bfloat16"
+
+
+def test_corrections_that_would_be_silently_wrong_are_refused():
+    with pytest.raises(ConfigError, match="trainer.epochs=2 is not supported on trainer.backend='fsdp'"):
+        load_config(None, ["mode=stream-async", "trainer.backend=fsdp", "trainer.correction=decoupled",
+                           "trainer.epochs=2"])
+    with pytest.raises(ConfigError, match="generation.top_p=0.9 with trainer.correction='tis'"):
+        load_config(None, ["mode=stream-async", "generation.top_p=0.9", "trainer.correction=tis"])
+    load_config(None, ["mode=stream-async", "generation.top_p=0.9"])  # no correction: allowed
+    load_config(None, ["mode=stream-async", "trainer.correction=decoupled", "trainer.epochs=2"])  # single trainer
