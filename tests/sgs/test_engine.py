@@ -158,3 +158,31 @@ def test_prefix_cache_reuses_a_finished_turn_and_no_key_written_before_an_update
     want = [lp[len(nxt) - 1 + i, t].item() for i, t in enumerate(t2.output_ids)]
     assert torch.allclose(torch.tensor(t2.logprobs), torch.tensor(want), atol=1e-4)
     assert after.output_ids == t2.output_ids  # same weights: same tokens, with the prefix recomputed
+
+
+@pytest.mark.slow  # builds a checkpoint
+def test_the_placement_plans_tensor_parallel_degree_reaches_vllms_engine_arguments(tmp_path, monkeypatch):
+    """``placement.gen_gpus_per_instance`` (the TP degree the plan prints) becomes vLLM's
+    ``tensor_parallel_size``; built here up to the call that would start vLLM."""
+    from streamrl.config import load_config
+    from streamrl.sgs.engines.build import engine_kwargs
+    from streamrl.sgs.engines.vllm_engine import VLLMEngine
+    from tests.helpers import make_qwen2_bpe_checkpoint
+
+    make_qwen2_bpe_checkpoint(tmp_path / "ckpt", ["a tiny corpus for a tiny tokenizer"] * 10)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
+    cuda = load_config(None, ["placement.device=cuda", "trainer.backend=fsdp", "generation.engine=vllm",
+                              "generation.vllm.device=cuda", "mode=stream-async", "placement.gen_gpus_per_instance=2"])
+    kw = engine_kwargs(cuda, tok, 1, "gen-0", 0)
+    assert kw["tensor_parallel_size"] == 2
+    cpu = load_config(None, ["generation.engine=vllm", "mode=stream-async"])
+    assert engine_kwargs(cpu, tok, 1, "gen-0", 0)["tensor_parallel_size"] == 1
+    started = {}
+    monkeypatch.setattr(VLLMEngine, "_start_llm", lambda self, threads, args: started.update(args))
+    monkeypatch.setattr(VLLMEngine, "_start_loop", lambda self, version: None)
+    monkeypatch.setattr(VLLMEngine, "_sampling_params", lambda self, *a: None)  # vLLM's own classes
+    VLLMEngine(str(tmp_path / "ckpt"), device="cuda", shm_root=str(tmp_path),
+               **{k: v for k, v in kw.items() if k in ("tensor_parallel_size", "num_blocks", "page_size")})
+    assert started["tensor_parallel_size"] == 2

@@ -25,6 +25,8 @@ def engine_kwargs(cfg: "Config", tokenizer, threads: int, instance: str, seed: i
               pad_token_id=tokenizer.pad_token_id, max_batch_tokens=g.max_batch_tokens,
               max_requests_per_batch=g.max_requests_per_batch, num_blocks=g.num_blocks, page_size=g.page_size,
               num_threads=threads, seed=seed, instance=instance)
+    if g.engine == "vllm":  # the placement plan's TP degree (its bundle holds that many GPUs)
+        kw["tensor_parallel_size"] = cfg.placement.gen_gpus_per_instance if cfg.placement.device == "cuda" else 1
     if g.engine == "transformers":
         kw["attention"] = g.cb_attention
         kw["prefix_cache"] = cfg.task.multi_turn if g.prefix_cache is None else g.prefix_cache

@@ -104,6 +104,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         shm_root: str = "/dev/shm",
         engine_args: dict[str, Any] | None = None,
         track_progress: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         max_inflight = check_engine_args(temperature, top_p, max_requests_per_batch, max_inflight,
                                          max_batch_tokens=max_batch_tokens, num_blocks=num_blocks,
@@ -131,7 +132,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                 max_num_seqs=max_requests_per_batch, max_num_batched_tokens=max(max_batch_tokens, self._max_seq_tokens),
                 block_size=page_size, num_gpu_blocks_override=num_blocks, max_model_len=self._max_seq_tokens,
                 enable_prefix_caching=False, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                disable_log_stats=True,
+                disable_log_stats=True, tensor_parallel_size=tensor_parallel_size,
             )
             if device == "cuda":
                 args["gpu_memory_utilization"] = gpu_memory_utilization
