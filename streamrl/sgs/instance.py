@@ -159,9 +159,10 @@ class GenerationInstance:
         return out
 
     def liveness(self) -> int:
-        """Tokens generated so far (finished and running): it changes while the engine steps.
-        A process that answers calls while this stands still with work queued is hung."""
-        return self._tokens_out + sum(self.engine.progress().values())
+        """Tokens of finished requests plus the engine's heartbeat (running tokens, or steps): it
+        changes while the engine steps, whatever the engine tracks. A process that answers calls
+        while this stands still with work queued is hung."""
+        return self._tokens_out + self.engine.heartbeat()
 
     def inject_fault(self, kind: str) -> None:
         """Fault injection (tests, ``bench faults``): ``hang`` stops the engine stepping while

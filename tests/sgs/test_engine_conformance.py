@@ -417,3 +417,19 @@ def test_vllm_work_dirs_of_dead_processes_are_removed_and_live_ones_kept(tmp_pat
         d.mkdir()
     remove_stale_workdirs(tmp_path)
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_the_heartbeat_grows_while_a_request_runs_and_stands_still_when_stalled(engine_factory):
+    """Liveness (``heartbeat``) counts the engine's progress on a running request before it
+    finishes, on every engine and without ``track_progress`` (vLLM counts its steps), so a long
+    request is never taken for a hang; a stalled engine's heartbeat stands still."""
+    e = engine_factory(eos_token_id=None)
+    e.add_request(req("long", LONG))
+    seen = set()
+    while not e.get_completions(timeout=0.001):  # sampled every millisecond: faster than the engine steps
+        seen.add(e.heartbeat())
+    assert len(seen) >= 3  # it moved while the request ran, before its completion
+    e.stall()
+    before = e.heartbeat()
+    e.add_request(req("stuck", SHORT))
+    assert e.get_completions(timeout=1.0) == [] and e.heartbeat() == before

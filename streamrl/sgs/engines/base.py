@@ -193,6 +193,11 @@ class QueueBookkeeping:
             self._stop_inflight_locked(engine_id, "gen/requests_cancelled")
             return True
 
+    def heartbeat(self) -> int:
+        """A counter that grows whenever the engine makes progress on running requests (the SGS's
+        liveness check reads it): tokens of the running requests, unless the backend counts steps."""
+        return sum(self.progress().values())
+
     def waiting_ids(self) -> list[str]:
         with self._lock:
             return list(self._waiting_ids)

@@ -362,6 +362,10 @@ class TransformersCBEngine(QueueBookkeeping, GenerationEngine):
     def shutdown(self) -> None:
         if not self._close():
             return
+        stalled = getattr(self, "_stall", None)
+        if stalled is not None:  # fault injection held the loop parked: let it go so it can stop
+            self._stall = None
+            stalled.__exit__(None, None, None)
         self._drain_thread.join()
         if self._manager.is_running():
             self._manager.stop(block=True, timeout=30, hard_stop=True)  # hard: fail (drop) running requests now

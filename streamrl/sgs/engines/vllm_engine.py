@@ -200,6 +200,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         # so far (tracking)]
         self._init_queues(initial_version, extra_stats=("gen/weight_write_s", "gen/steps"))
         self._work_cv = threading.Condition(self._lock)
+        self._stalled = False  # fault injection (stall): the loop parks for good
         self._to_submit: list[str] = []  # admitted vllm ids, not yet handed to vLLM (loop thread does it)
         self._aborts: list[str] = []  # vllm ids cancelled by a caller, to abort in vLLM
         self._jobs: deque[tuple[Callable[[], None], Future]] = deque()
@@ -218,6 +219,17 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         self._work_cv.notify_all()
 
     # ------------------------------------------------------------------ rebalancing (track_progress)
+
+    def heartbeat(self) -> int:
+        """Decode steps taken: liveness on every vLLM engine, not only one that streams each
+        step's tokens (``track_progress``), so a long request is never taken for a hung engine."""
+        with self._lock:
+            return int(self._stats["gen/steps"])
+
+    def stall(self) -> None:
+        """Stop stepping for good while every call keeps answering (fault injection)."""
+        with self._lock:
+            self._stalled = True
 
     def progress(self) -> dict[str, int]:
         """Tokens received so far for each request handed to vLLM or about to be (0 before its first
@@ -260,8 +272,10 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         try:
             while True:
                 with self._lock:
-                    while not (self._closed or self._jobs or self._aborts or self._inflight):
+                    while self._stalled or not (self._closed or self._jobs or self._aborts or self._inflight):
                         self._work_cv.wait(_IDLE_WAIT_S)
+                        if self._closed:
+                            break
                     if self._closed:
                         jobs, self._jobs = self._jobs, deque()
                         for _, fut in jobs:
