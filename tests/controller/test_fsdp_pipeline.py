@@ -153,7 +153,9 @@ def test_stream_async_with_an_fsdp_trainer_group(ray_session, tiny_policy_dir):
     ctx = RunContext(cfg, task, load_policy(cfg.policy.path)[1])
     # The test policy rarely solves a prompt: with all-zero rewards every advantage is zero and
     # nothing moves. A reward on the response length gives the groups a spread.
-    ctx.scorer.reward = lambda prompt, text: (float(len(text) % 3), {})
+    from streamrl.tasks.rewards import RewardRunner
+
+    ctx.scorer.reward = RewardRunner(lambda prompt, text: float(len(text) % 3), fast=True)
     stream = PromptStream(task.train_prompts(), seed=0)
     sent, versions, spread = [], [], []
     # The previous test's actors may still be releasing their CPUs: wait for them first, or the
