@@ -28,6 +28,27 @@ def real_samples(model, tokenizer, texts_and_responses, rewards, temperature=1.0
     return out
 
 
+def kill_an_instance_at(ctx, pipe, iteration: int) -> list[int]:
+    """SIGKILL the pipeline's first generation instance when the scorer is handed the first
+    completion of ``iteration`` (the others of that iteration are still running); returns the list
+    the killed pid is appended to."""
+    import os
+    import signal
+
+    import ray
+
+    submit, killed = ctx.scorer.submit, []
+
+    def submit_then_kill(c, it):
+        if it == iteration and not killed:
+            killed.append(ray.get(next(iter(pipe.sgs.instances.values())).pid.remote()))
+            os.kill(killed[-1], signal.SIGKILL)
+        return submit(c, it)
+
+    ctx.scorer.submit = submit_then_kill
+    return killed
+
+
 class AllOnFirst:
     """Dispatch that puts every request on instance 0, so only rebalancing can use the others."""
 

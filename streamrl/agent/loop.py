@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Trajectory:
-    prompt: Prompt
     row: dict
     messages: list[dict]  # the conversation as rendered so far (before the running turn)
     prompt_len: int
@@ -90,7 +89,7 @@ class AgentLoop:
                             rid, len(ids), max_prompt_tokens)
                 self.counters["cut_context"] += 1
                 continue
-            self.trajs[rid] = Trajectory(p, row_of(p), messages, len(ids), budget=max_new_tokens)
+            self.trajs[rid] = Trajectory(row_of(p), messages, len(ids), budget=max_new_tokens)
             self.counters["trajectories"] += 1
             out.append(GenRequest(request_id=rid, prompt_id=p.prompt_id, sample_idx=j, prompt_ids=tuple(ids),
                                   max_new_tokens=max_new_tokens))

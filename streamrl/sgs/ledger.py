@@ -59,10 +59,11 @@ class Record:
         return len(self.prefix.output_ids) if self.prefix else 0
 
 
-def _join(pre: Partial | None, part) -> Partial:
-    """``pre`` followed by ``part``'s output (a ``Partial`` or ``Completion``), as one prefix."""
+def _join(pre: Partial | None, part, request: GenRequest | None = None) -> Partial:
+    """``pre`` followed by ``part``'s output (a ``Partial``, or a ``Completion`` of ``request``), as
+    one prefix."""
     if pre is None:
-        return Partial(part.request if isinstance(part, Partial) else None, tuple(part.output_ids), tuple(part.logprobs),
+        return Partial(request or part.request, tuple(part.output_ids), tuple(part.logprobs),
                        part.version_start, part.t_start, part.versions(), part.mask())
     return Partial(pre.request, pre.output_ids + tuple(part.output_ids), pre.logprobs + tuple(part.logprobs),
                    min(pre.version_start, part.version_start), pre.t_start, pre.versions() + part.versions(),
@@ -175,9 +176,7 @@ class Ledger:
         if rec is None or rec.state not in IN_FLIGHT or rec.state is State.ENV:
             return None
         rec.turn_instance, rec.instance, rec.state, rec.last = c.instance or rec.instance, None, State.ENV, c
-        rec.prefix = _join(rec.prefix, c)
-        if rec.prefix.request is None:
-            rec.prefix = replace(rec.prefix, request=rec.request)
+        rec.prefix = _join(rec.prefix, c, rec.request)
         return rec.prefix
 
     def next_turn(self, request_id: str, env_ids: tuple[int, ...]) -> GenRequest:

@@ -6,12 +6,11 @@ tokens are masked, every token keeps the version that sampled it within the stal
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 
 from streamrl.config import load_config
+from tests.helpers import kill_an_instance_at
 
 pytestmark = pytest.mark.slow  # Ray instances with engines, a trainer
 
@@ -24,8 +23,6 @@ def _mask_runs(mask) -> int:
 
 
 def test_trajectories_stream_train_once_through_a_kill_with_masks_and_versions(ray_session, tiny_policy_dir):
-    import ray
-
     from streamrl.controller.common import PromptStream
     from streamrl.controller.setup import RunContext, make_pipeline
     from streamrl.models.tiny import load_policy
@@ -41,16 +38,7 @@ def test_trajectories_stream_train_once_through_a_kill_with_masks_and_versions(r
     ctx = RunContext(cfg, task, tok)
     pipe = make_pipeline(cfg, ctx)
     stream = PromptStream(task.train_prompts(), seed=0)
-    submit, killed = ctx.scorer.submit, []
-
-    def submit_then_kill(c, iteration):  # the first trajectory of iteration 1 back: the others are mid-way
-        if iteration == 1 and not killed:
-            name = next(iter(pipe.sgs.instances))
-            killed.append(ray.get(pipe.sgs.instances[name].pid.remote()))
-            os.kill(killed[-1], signal.SIGKILL)
-        return submit(c, iteration)
-
-    ctx.scorer.submit = submit_then_kill
+    kill_an_instance_at(ctx, pipe, 1)  # at iteration 1's first trajectory back: the others are mid-way
     samples = []
     try:
         for it in range(3):

@@ -11,6 +11,7 @@ import pytest
 
 from streamrl.config import load_config
 from streamrl.errors import GenerationFailed, TrainerFailed
+from tests.helpers import kill_an_instance_at
 
 pytestmark = pytest.mark.slow  # Ray instances with engines
 
@@ -195,15 +196,7 @@ def test_pipeline_trains_every_sample_once_through_instance_kills(ray_session, t
     ctx = RunContext(cfg, task, tok)
     pipe = make_pipeline(cfg, ctx)
     stream = PromptStream(task.train_prompts(), seed=0)
-    submit, killed = ctx.scorer.submit, []
-
-    def submit_then_kill(c, iteration):  # the scorer sees each completion as it streams in
-        if iteration == 2 and not killed:
-            killed.append(_pid(pipe.sgs, next(iter(pipe.sgs.instances))))
-            os.kill(killed[-1], signal.SIGKILL)
-        return submit(c, iteration)
-
-    ctx.scorer.submit = submit_then_kill
+    kill_an_instance_at(ctx, pipe, 2)  # the scorer sees each completion as it streams in
     sent = []
     try:
         for it in range(4):

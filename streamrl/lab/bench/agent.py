@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 from streamrl.config import Config
 
@@ -35,11 +36,10 @@ def _turn_synchronous(sgs, loop, requests) -> list:
     rounds = 0
     while live:
         rounds += 1
-        batch = [r for r in live.values()]
-        turn = [c for c in sgs.generate([_fresh(r, rounds) for r in batch])]  # the batch barrier
+        turn = list(sgs.generate([_fresh(r, rounds) for r in live.values()]))  # the batch barrier
         for c in turn:
             rid = c.request_id.split("#", 1)[0]
-            c = _renamed(c, rid)
+            c = replace(c, request_id=rid)
             loop.on_turn(c, ledger.turn_done(c))
         while loop.pending():  # every env step of the round (the second barrier)
             loop.wait(1.0)
@@ -54,15 +54,7 @@ def _turn_synchronous(sgs, loop, requests) -> list:
 
 def _fresh(request, rounds: int):
     """The round's request under an id the SGS has not seen (it refuses a resubmitted one)."""
-    from dataclasses import replace
-
     return replace(request, request_id=f"{request.request_id}#{rounds}")
-
-
-def _renamed(c, rid: str):
-    from dataclasses import replace
-
-    return replace(c, request_id=rid)
 
 
 def _streamed(sgs, requests) -> list:
