@@ -98,17 +98,24 @@ def varlen_paged_attention(module, query, key, value, attention_mask, scaling, *
         raise ValueError("varlen_paged_attention needs continuous batching's paged cache (kwargs['cache'])")
     key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
     plan = _plan(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], key.shape[2])
-    gqa = query.shape[1] != key.shape[1]
+    heads, kv_heads, d = query.shape[1], key.shape[1], query.shape[3]
+    gqa = heads != kv_heads
     q_all, k_all, v_all = query[0], key[0], value[0]  # [heads, N, d]
-    packed = q_all.new_zeros((q_all.shape[1], q_all.shape[0], q_all.shape[2]))  # [Nq, heads, d]
+    # CB's cache hands keys as a [kv_heads, N, d] view of a contiguous [N, kv_heads, d] tensor:
+    # gathering rows of the latter is one contiguous index_select
+    k_rows, v_rows = k_all.transpose(0, 1), v_all.transpose(0, 1)
+    packed = q_all.new_zeros((q_all.shape[1], heads, d))  # [Nq, heads, d]
     for rows, keys, mask in plan.decode:
         # Decoding requests (one new token each), a bucket of similar contexts at a time: one
-        # batched SDPA over keys padded to the bucket's longest.
-        q = q_all[:, rows].transpose(0, 1).unsqueeze(2)  # [B_b, heads, 1, d]
-        k = k_all[:, keys].transpose(0, 1)  # [B_b, kv_heads, max_k_b, d]
-        v = v_all[:, keys].transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        packed[rows] = out[:, :, 0]
+        # batched SDPA over keys padded to the bucket's longest. The query heads that share a KV
+        # head are that head's query rows ([B_b, kv_heads, heads / kv_heads, d]; head h reads KV
+        # head h // group, as transformers' repeat_kv): no copy of K and V per query head.
+        n, max_k = keys.shape
+        q = q_all[:, rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
+        k = k_rows.index_select(0, keys.reshape(-1)).view(n, max_k, kv_heads, d).transpose(1, 2)
+        v = v_rows.index_select(0, keys.reshape(-1)).view(n, max_k, kv_heads, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [B_b, kv, group, d]
+        packed[rows] = out.reshape(n, heads, d)
     for qs, ks, mask in plan.prefill:
         # Prefill chunks: each request alone, causal with its past as offset (few per step).
         out = F.scaled_dot_product_attention(q_all[None, :, qs], k_all[None, :, ks], v_all[None, :, ks],
