@@ -203,6 +203,32 @@ def test_weight_update_changes_what_the_engine_generates(checkpoint, engine_fact
     assert e.stats()["gen/weight_updates"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "child-process"])
+def test_vllm_takes_weights_in_memory_in_process_and_from_a_child_engine_core(checkpoint, multiprocessing):
+    """vLLM's engine core in this process reads the tensors themselves; in a child process (the
+    GPU default) they cross as bytes to our worker extension. Either way the new weights give the
+    new model's log-probs and nothing is written to the engine's work dir."""
+    missing = _backend_missing("vllm")
+    if missing:
+        if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
+            pytest.fail(f"STREAMRL_REQUIRE_VLLM=1 but {missing}")
+        pytest.skip(missing)
+    new_sd = perturbed({k: v.clone() for k, v in load_model(checkpoint).state_dict().items()})
+    e = make_engine("vllm", checkpoint, num_blocks=64, page_size=32, max_batch_tokens=256, seed=0,
+                    multiprocessing=multiprocessing)
+    try:
+        e.update_weights(new_sd, version=1)
+        e.add_request(req("after", 16))
+        (after,) = collect(e, 1)
+        assert not any(e._workdir.rglob("*"))  # no file: the checkpoint is a directory, the update in memory
+    finally:
+        e.shutdown()
+    assert after.version_start == 1
+    torch.testing.assert_close(torch.tensor(after.logprobs), ref_logprobs(load_model(checkpoint, new_sd), after),
+                               atol=ATOL, rtol=0)
+
+
 def test_update_mid_flight_is_recorded_in_versions(backend, checkpoint, engine_factory):
     import time
 

@@ -1,9 +1,7 @@
-"""The files the vLLM engine hands vLLM, kept in a work dir under shm (``/dev/shm``).
+"""The checkpoint the vLLM engine hands vLLM at its start, kept in a work dir under shm (``/dev/shm``).
 
     engine start:    stage_checkpoint(model, workdir) -> a checkpoint dir vLLM loads
                      checkpoint_shapes(dir)            -> name -> shape (headers only), for checks
-    update_weights:  write_safetensors(update_dir/model.safetensors, state_dict)
-                     -> vLLM's ``reload_weights`` reads the dir
     engine start:    remove_stale_workdirs(shm_root)   -> work dirs of dead processes removed
 
 Pure file handling: no vLLM import, testable anywhere.
@@ -16,10 +14,6 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
-
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
 
 def stage_checkpoint(model: Any, workdir: Path) -> Path:
     """A checkpoint directory vLLM can load: ``model`` itself if it is one, else the
@@ -66,36 +60,3 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             if name != "__metadata__":
                 shapes[name] = tuple(meta["shape"])
     return shapes
-
-
-def write_safetensors(path: Path, tensors: dict[str, Any]) -> None:
-    """Write ``tensors`` as one safetensors file, each tensor's bytes straight from its storage.
-
-    ``safetensors.torch.save_file`` refuses tensors that share storage, which every tensor of a
-    flat weight buffer does (they are views of one buffer) and tied weights do: this writer
-    needs no copy for either. Writes to a temporary name and renames, so a reader never sees a
-    half-written file."""
-    import numpy as np
-    import torch
-
-    header: dict[str, Any] = {}
-    blobs = []
-    offset = 0
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _ST_DTYPES:
-            raise ValueError(f"write_safetensors: tensor {name!r} has dtype {t.dtype}, not one of {sorted(_ST_DTYPES)}")
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + raw.numel()]}
-        blobs.append(raw)
-        offset += raw.numel()
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for raw in blobs:
-            f.write(memoryview(np.asarray(raw.numpy())))
-    os.replace(tmp, path)

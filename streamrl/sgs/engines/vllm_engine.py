@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from streamrl.sgs.engines.base import (EngineError, GenerationEngine, QueueBookkeeping, check_arg, check_engine_args,
                                        check_update_shapes, eos_ids)
-from streamrl.sgs.engines.staging import checkpoint_shapes, remove_stale_workdirs, stage_checkpoint, write_safetensors
+from streamrl.sgs.engines.staging import checkpoint_shapes, remove_stale_workdirs, stage_checkpoint
 from streamrl.types import GenRequest, Partial
 
 _IDLE_WAIT_S = 0.05  # the loop re-checks its stop flag this often when it has nothing to do
@@ -55,7 +55,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                        │ _admit_locked(): while len(_inflight) < max_inflight
                        └──► _inflight + _to_submit   top of each round:
         cancel ──────► _aborts (running ones)          run queued jobs (reload weights) ─► collective_rpc
-        update_weights: write safetensors to shm ─►    send aborts                      ─► abort_request
+        update_weights: named tensors ──────────►      send aborts                      ─► abort_request
                         queue a job, wait for it       send _to_submit (stamp version)  ─► add_request
                                                        step()  ◄── finished RequestOutputs (FINAL_ONLY)
         get_completions ◄── _done (Condition) ◄──────  → Completion; _admit_locked() refills
@@ -64,11 +64,12 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
       ``max_inflight`` (= vLLM's ``max_num_seqs``) requests, so vLLM's FCFS scheduler keeps our order.
     * Log-probs: ``logprobs_mode="processed_logprobs"``, i.e. after temperature and top-p, under
       the distribution sampled from; greedy requests get temperature-1 log-probs of the argmax.
-    * Weights: one safetensors file under ``shm_root`` (``/dev/shm``), then ``collective_rpc(
-      "reload_weights")`` and ``reset_prefix_cache()`` between two steps; running requests
-      continue with the new weights (other paths fail on CPU: ``../shared/ENV.md``). With tied
-      embeddings the file holds ``lm_head.weight`` too (vLLM's CPU backend keeps a copy of the
-      head). NCCL weight transfer is not wired.
+    * Weights: in memory, between two steps: ``collective_rpc("reload_weights")`` with the named
+      tensors (in process), or through our worker extension's ``load_named_tensors`` with handles
+      to them (engine core in a child process: shared memory or CUDA IPC, ``vllm_worker.py``), then ``reset_prefix_cache()``.
+      vLLM's own loader takes them (raw ``load_weights`` fails on CPU, which repacks weights after
+      loading); running requests continue with the new weights. With tied embeddings
+      ``lm_head.weight`` is sent too (vLLM's CPU backend keeps a copy of the head).
     * ``track_progress=True`` (where the SGS may rebalance): every step's new tokens (``DELTA``)
       are kept, for ``progress`` and as ``preempt``'s prefix. Off by default: it costs Python time.
     * Work dir ``shm_root/streamrl-vllm-<instance>-<pid>-*``: removed on ``shutdown``; a new
@@ -116,7 +117,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                       "a multiple of 32 (vLLM CPU attention block size)")
         check_arg(dtype in ("float32", "bfloat16", "float16", "auto"), "dtype", dtype,
                   "one of float32, bfloat16, float16, auto")
-        check_arg(Path(shm_root).is_dir(), "shm_root", shm_root, "an existing directory (weights are staged there)")
+        check_arg(Path(shm_root).is_dir(), "shm_root", shm_root, "an existing directory (a model object is staged there as a checkpoint)")
 
         self.instance = instance
         remove_stale_workdirs(Path(shm_root))  # of dead processes: an actor killed by ray.kill never shuts down
@@ -136,6 +137,9 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             )
             if device == "cuda":
                 args["gpu_memory_utilization"] = gpu_memory_utilization
+            if multiprocessing:  # tensors cross to the child's worker as handles (vllm_worker.py)
+                args["worker_extension_cls"] = "streamrl.sgs.engines.vllm_worker.WeightLoader"
+            self._in_process = not multiprocessing
             args.update(engine_args or {})
             self._start_llm(num_threads, args)
         except BaseException:
@@ -148,8 +152,6 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
     def _stage(self, model: Any, device: str, num_blocks: int, page_size: int) -> None:
         """Stage the checkpoint in the work dir and read from its config what the engine needs: the
         vocabulary size, tied embeddings, every tensor's shape and the longest sequence."""
-        self._update_dir = self._workdir / "update"
-        self._update_dir.mkdir()
         self._checkpoint = stage_checkpoint(model, self._workdir)
         hf_cfg = json.loads((self._checkpoint / "config.json").read_text())
         self._vocab_size = int(hf_cfg["vocab_size"])
@@ -198,7 +200,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         """Our queues, and the loop thread that alone calls into vLLM."""
         # _inflight: vllm_id -> [req, t_start wall, version (both stamped at submission), tokens, logprobs
         # so far (tracking)]
-        self._init_queues(initial_version, extra_stats=("gen/weight_write_s", "gen/steps"))
+        self._init_queues(initial_version, extra_stats=("gen/steps",))
         self._work_cv = threading.Condition(self._lock)
         self._stalled = False  # fault injection (stall): the loop parks for good
         self._to_submit: list[str] = []  # admitted vllm ids, not yet handed to vLLM (loop thread does it)
@@ -360,13 +362,18 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         with self._lock:
             self._raise_if_unusable()
         t0 = time.perf_counter()
-        write_safetensors(self._update_dir / "model.safetensors", tensors)
+        if self._in_process:  # the engine core is in this process: vLLM reads our tensors as they are
+            method, kwargs = "reload_weights", {"weights_iterator": list(tensors.items())}
+        else:
+            from streamrl.sgs.engines.vllm_worker import as_handles
+
+            method, kwargs = "load_named_tensors", {"handles": as_handles(tensors)}
         t1 = time.perf_counter()
         marks: dict[str, float] = {}
 
         def install() -> None:  # runs on the loop thread, between two steps
             marks["start"] = time.perf_counter()
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._update_dir)})
+            self._llm.collective_rpc(method, kwargs=kwargs)
             self._llm.reset_prefix_cache()
             with self._lock:
                 self._version = version
@@ -380,7 +387,6 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         t2 = time.perf_counter()
         with self._lock:
             self._stats["gen/weight_updates"] += 1
-            self._stats["gen/weight_write_s"] += t1 - t0
             self._stats["gen/pause_wait_s"] += marks["start"] - t1
             self._stats["gen/weight_update_s"] += t2 - t0
 
