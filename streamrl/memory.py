@@ -1,4 +1,4 @@
-"""Give freed heap memory back to the operating system, once per iteration; read a process's peak.
+"""Give freed heap memory back to the operating system, once per iteration; read a process's peaks.
 
 Why: the trainer and the generation instances allocate tensors of a different shape every
 iteration (batches of varying length). glibc's malloc keeps freed chunks inside its arenas and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import threading
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,3 +46,47 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+_private_peak_kb = 0
+_watcher: threading.Thread | None = None
+
+
+def watch_private_memory(interval_s: float = 0.02) -> None:
+    """Start (once per process) a daemon thread that keeps the largest ``RssAnon`` it reads every
+    ``interval_s``: this process's own anonymous memory (heap, tensors). ``VmHWM`` also counts
+    the pages of shared memory the process touched, among them every object-store page it wrote
+    (published weights), which belong to the object store and stay mapped after it frees them."""
+    global _watcher
+    if _watcher is not None or _status_kb("RssAnon:") is None:
+        return
+
+    def watch() -> None:
+        global _private_peak_kb
+        event = threading.Event()
+        while True:
+            _private_peak_kb = max(_private_peak_kb, _status_kb("RssAnon:") or 0)
+            event.wait(interval_s)
+
+    _watcher = threading.Thread(target=watch, name="streamrl-memory-watch", daemon=True)
+    _watcher.start()
+
+
+def peaks_mb() -> dict[str, float]:
+    """``{"resident": peak resident (VmHWM), "private": peak RssAnon sampled since
+    watch_private_memory started (absent if it did not)}`` in MB."""
+    out = {"resident": peak_rss_mb()}
+    if _watcher is not None:
+        out["private"] = max(_private_peak_kb, _status_kb("RssAnon:") or 0) / 1024
+    return out

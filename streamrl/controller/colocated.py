@@ -25,7 +25,10 @@ class ColocatedWorker:
     """Engine and trainer in one process, time-sharing its CPUs."""
 
     def __init__(self, cfg: Config, threads: int) -> None:
+        from streamrl.memory import watch_private_memory
         from streamrl.sgs.engines.base import make_engine
+
+        watch_private_memory()
         from streamrl.trainer.trainer import Trainer
 
         cfg = cfg.model_copy(deep=True)
@@ -72,10 +75,10 @@ class ColocatedWorker:
 
             shutil.copytree(f"{path}/policy", keep_as, dirs_exist_ok=True)
 
-    def peak_memory_mb(self) -> float:
-        from streamrl.memory import peak_rss_mb
+    def peak_memory_mb(self) -> dict[str, float]:
+        from streamrl.memory import peaks_mb
 
-        return peak_rss_mb()
+        return peaks_mb()
 
     def get_lineage(self) -> list[str]:
         return list(self.lineage)
@@ -142,7 +145,7 @@ class ColocatedPipeline(Pipeline):
     def lineage(self) -> list[str]:
         return self._tget(self.worker.get_lineage.remote(), "lineage")
 
-    def peak_memory(self) -> dict[str, float]:
+    def peak_memory(self) -> dict[str, dict[str, float]]:
         return {"colocated-0": self._tget(self.worker.peak_memory_mb.remote(), "peak_memory_mb")}
 
     def can_checkpoint_at(self, iteration: int) -> bool:

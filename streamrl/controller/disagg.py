@@ -259,13 +259,13 @@ class DisaggPipeline(Pipeline):
         where = {"trainer": self._tget(self.trainer.location.remote(), "location"), **self.sgs.locations}
         return {name: {"node": loc.node, "site": loc.site} for name, loc in where.items()}
 
-    def peak_memory(self) -> dict[str, float]:
+    def peak_memory(self) -> dict[str, dict[str, float]]:
         refs = {"trainer": self.trainer.peak_memory_mb.remote(),
                 **{name: actor.peak_memory_mb.remote() for name, actor in self.sgs.instances.items()}}
         out = {}
         for name, ref in refs.items():
             try:
-                out[name] = float(ray.get(ref, timeout=30))
+                out[name] = ray.get(ref, timeout=30)
             except Exception:  # noqa: BLE001 - an instance lost at the end has no peak to give
                 continue
         return out

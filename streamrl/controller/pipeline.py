@@ -97,8 +97,8 @@ class Pipeline:
         for it where the mode allows (``save`` by default)."""
         self.save(path, extra, keep_as)
 
-    def peak_memory(self) -> dict[str, float]:
-        """Peak resident memory (MB) of each process the pipeline runs, by role."""
+    def peak_memory(self) -> dict[str, dict[str, float]]:
+        """``memory.peaks_mb()`` (MB) of each process the pipeline runs, by role."""
         raise NotImplementedError
 
     def lineage(self) -> list[str]:

@@ -161,7 +161,8 @@ class Run:
                    "rewards": rewards, "reward_trend": reward_trend(rewards),
                    "trained_samples": len(lineage), "trained_samples_unique": len(set(lineage)),
                    "oversized_prompts": self.data_metrics["data/oversized"], "final_policy": str(final),
-                   "pipeline": pipe_stats, "peak_memory_mb": self._peak_memory()}
+                   "pipeline": pipe_stats}
+        summary["peak_memory_mb"], summary["peak_private_mb"] = self._peak_memory()
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         pipeline.shutdown()
         if self.sample_log is not None:
@@ -175,13 +176,17 @@ class Run:
             self.echo(f"trained policy: {final} (a Hugging Face checkpoint: AutoModelForCausalLM.from_pretrained loads it)")
         return summary
 
-    def _peak_memory(self) -> dict[str, float]:
-        """Each process's peak resident memory, driver included, echoed as one line."""
-        from streamrl.memory import peak_rss_mb
+    def _peak_memory(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Each process's peak resident memory, driver included, and the peak of its private
+        memory where sampled (``memory.watch_private_memory``), echoed as one line."""
+        from streamrl.memory import peaks_mb
 
-        peaks = {**self.pipeline.peak_memory(), "driver": peak_rss_mb()}
-        self.echo("peak memory: " + ", ".join(f"{name} {mb / 1024:.2f} GB" for name, mb in peaks.items()))
-        return peaks
+        peaks = {**self.pipeline.peak_memory(), "driver": peaks_mb()}
+        self.echo("peak memory: " + ", ".join(
+            f"{name} {p['resident'] / 1024:.2f} GB" + (f" (private {p['private'] / 1024:.2f})" if "private" in p else "")
+            for name, p in peaks.items()))
+        return ({name: p["resident"] for name, p in peaks.items()},
+                {name: p["private"] for name, p in peaks.items() if "private" in p})
 
     def _pictures(self, rl_seconds: float) -> dict[str, Any]:
         """timeline.json, the Gantt chart and the overlap statistics (empty without events)."""

@@ -50,7 +50,10 @@ class GenerationInstance:
         import os
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from streamrl.memory import watch_private_memory
         from streamrl.sgs.engines.build import engine_kwargs
+
+        watch_private_memory()
         from streamrl.models.tiny import load_policy
         from streamrl.sgs.engines.base import make_engine
 
@@ -217,10 +220,10 @@ class GenerationInstance:
     def version(self) -> int:
         return self.engine.version
 
-    def peak_memory_mb(self) -> float:
-        from streamrl.memory import peak_rss_mb
+    def peak_memory_mb(self) -> dict[str, float]:
+        from streamrl.memory import peaks_mb
 
-        return peak_rss_mb()
+        return peaks_mb()
 
     def cpu_seconds(self) -> float:
         """CPU time this process has used (all threads): busy time that other processes cannot inflate."""

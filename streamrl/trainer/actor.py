@@ -52,7 +52,10 @@ class IterationTrainer:
         import os
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from streamrl.memory import watch_private_memory
         from streamrl.models.shipping import materialize_policy
+
+        watch_private_memory()
         from streamrl.trainer.trainer import Trainer
 
         cfg = cfg.model_copy(deep=True)  # this process's own copy: the thread count is set here
@@ -234,11 +237,11 @@ class IterationTrainer:
         self._drained = len(self.lineage)
         return extra
 
-    def peak_memory_mb(self) -> float:
-        """Peak resident memory of this process (FSDP2 ranks are not included: they are their own)."""
-        from streamrl.memory import peak_rss_mb
+    def peak_memory_mb(self) -> dict[str, float]:
+        """Peak resident and private memory of this process (FSDP2 ranks are their own processes, not counted)."""
+        from streamrl.memory import peaks_mb
 
-        return peak_rss_mb()
+        return peaks_mb()
 
     def node_id(self) -> str:
         import ray
