@@ -104,9 +104,9 @@ class GenerationConfig(_Section):
     """transformers engine on CPU: 'varlen' attends each request to its own keys (sgs/engines/varlen_attention.py);
     'dense' is transformers' packed masked attention"""
     prefix_cache: bool | None = None
-    """transformers engine: reuse the KV blocks of a prefix already computed (a GRPO group's prompt, a trajectory's
-    earlier turns on its instance); keys written before a weight update are never reused after it. None = on for
-    multi-turn rollouts (task.env or task.tools), off otherwise"""
+    """reuse the KV blocks of a prefix already computed (a GRPO group's prompt, a trajectory's earlier turns on its
+    instance); keys written before a weight update are never reused after it. None = on for vllm; on the transformers
+    engine on for multi-turn rollouts (task.env or task.tools), off otherwise"""
     max_batch_tokens: int = Field(1024, ge=16)
     max_requests_per_batch: int = Field(64, ge=1)
     num_blocks: int = Field(512, ge=8)
@@ -118,13 +118,6 @@ class GenerationConfig(_Section):
         from streamrl.scheduling.dispatch import DISPATCH_POLICIES  # pure Python: no torch, no Ray
 
         return _choice(value, DISPATCH_POLICIES, "policy")
-
-    @model_validator(mode="after")
-    def _prefix_cache_engine(self) -> "GenerationConfig":
-        if self.prefix_cache and self.engine != "transformers":
-            raise PydanticCustomError("streamrl_value", f"generation.prefix_cache=true is built for the transformers "
-                                      f"engine, not generation.engine={self.engine!r}")
-        return self
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> "GenerationConfig":

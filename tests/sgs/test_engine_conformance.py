@@ -203,17 +203,47 @@ def test_weight_update_changes_what_the_engine_generates(checkpoint, engine_fact
     assert e.stats()["gen/weight_updates"] == 1
 
 
+def _require_vllm() -> None:
+    missing = _backend_missing("vllm")
+    if missing:
+        if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
+            pytest.fail(f"STREAMRL_REQUIRE_VLLM=1 but {missing}")
+        pytest.skip(missing)
+
+
+@pytest.mark.slow
+def test_vllm_prefix_cache_is_reused_within_a_weight_version_and_never_across_an_update(checkpoint):
+    """A prompt's full KV blocks are reused by the next request with that prompt (a GRPO group's
+    samples), but not by one submitted after a weight update: that one gets the new model's
+    log-probs, and the cache fills again under the new version."""
+    _require_vllm()
+    prompt = tuple((7 * i) % 60 + 1 for i in range(70))  # two full 32-token blocks and a partial one
+    new_sd = perturbed({k: v.clone() for k, v in load_model(checkpoint).state_dict().items()})
+    e = make_engine("vllm", checkpoint, num_blocks=64, page_size=32, max_batch_tokens=256, seed=0)
+    cached = []
+    try:
+        for name in ("first", "same-version", "after-update", "again"):
+            if name == "after-update":
+                e.update_weights(new_sd, version=1)
+            e.add_request(req(name, 4, prompt=prompt))
+            (c,) = collect(e, 1)
+            cached.append(e.stats()["gen/prefix_cached_tokens"])
+    finally:
+        e.shutdown()
+    assert cached[0] == 0 and cached[1] >= 64  # the second request reused the first's full blocks
+    assert cached[2] == cached[1]  # nothing computed under version 0 was reused under version 1
+    assert cached[3] >= cached[2] + 64
+    torch.testing.assert_close(torch.tensor(c.logprobs), ref_logprobs(load_model(checkpoint, new_sd), c),
+                               atol=ATOL, rtol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "child-process"])
 def test_vllm_takes_weights_in_memory_in_process_and_from_a_child_engine_core(checkpoint, multiprocessing):
     """vLLM's engine core in this process reads the tensors themselves; in a child process (the
     GPU default) they cross as bytes to our worker extension. Either way the new weights give the
     new model's log-probs and nothing is written to the engine's work dir."""
-    missing = _backend_missing("vllm")
-    if missing:
-        if os.environ.get("STREAMRL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"STREAMRL_REQUIRE_VLLM=1 but {missing}")
-        pytest.skip(missing)
+    _require_vllm()
     new_sd = perturbed({k: v.clone() for k, v in load_model(checkpoint).state_dict().items()})
     e = make_engine("vllm", checkpoint, num_blocks=64, page_size=32, max_batch_tokens=256, seed=0,
                     multiprocessing=multiprocessing)

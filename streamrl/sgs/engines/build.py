@@ -27,6 +27,7 @@ def engine_kwargs(cfg: "Config", tokenizer, threads: int, instance: str, seed: i
               num_threads=threads, seed=seed, instance=instance)
     if g.engine == "vllm":  # the placement plan's TP degree (its bundle holds that many GPUs)
         kw["tensor_parallel_size"] = cfg.placement.gen_gpus_per_instance if cfg.placement.device == "cuda" else 1
+        kw["prefix_cache"] = g.prefix_cache is not False  # None = on: version-salted (vllm_engine.py)
     if g.engine == "transformers":
         kw["attention"] = g.cb_attention
         kw["prefix_cache"] = cfg.task.multi_turn if g.prefix_cache is None else g.prefix_cache

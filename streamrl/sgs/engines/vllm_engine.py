@@ -66,10 +66,15 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
       the distribution sampled from; greedy requests get temperature-1 log-probs of the argmax.
     * Weights: in memory, between two steps: ``collective_rpc("reload_weights")`` with the named
       tensors (in process), or through our worker extension's ``load_named_tensors`` with handles
-      to them (engine core in a child process: shared memory or CUDA IPC, ``vllm_worker.py``), then ``reset_prefix_cache()``.
+      to them (engine core in a child process: shared memory or CUDA IPC, ``vllm_worker.py``).
       vLLM's own loader takes them (raw ``load_weights`` fails on CPU, which repacks weights after
       loading); running requests continue with the new weights. With tied embeddings
       ``lm_head.weight`` is sent too (vLLM's CPU backend keeps a copy of the head).
+    * Prefix cache (``prefix_cache``, on by default: a GRPO group shares its prompt): blocks are
+      hashed with the weight version the request was submitted under (``cache_salt``), so keys
+      computed before an update are never matched by a request submitted after it; unmatched
+      old blocks age out of vLLM's LRU. ``gen/prefix_cached_tokens`` over ``gen/prompt_tokens``
+      is the prefill saved.
     * ``track_progress=True`` (where the SGS may rebalance): every step's new tokens (``DELTA``)
       are kept, for ``progress`` and as ``preempt``'s prefix. Off by default: it costs Python time.
     * Work dir ``shm_root/streamrl-vllm-<instance>-<pid>-*``: removed on ``shutdown``; a new
@@ -106,6 +111,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         engine_args: dict[str, Any] | None = None,
         track_progress: bool = False,
         tensor_parallel_size: int = 1,
+        prefix_cache: bool = True,
     ) -> None:
         max_inflight = check_engine_args(temperature, top_p, max_requests_per_batch, max_inflight,
                                          max_batch_tokens=max_batch_tokens, num_blocks=num_blocks,
@@ -132,7 +138,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                 model=str(self._checkpoint), skip_tokenizer_init=True, dtype=dtype, seed=0 if seed is None else seed,
                 max_num_seqs=max_requests_per_batch, max_num_batched_tokens=max(max_batch_tokens, self._max_seq_tokens),
                 block_size=page_size, num_gpu_blocks_override=num_blocks, max_model_len=self._max_seq_tokens,
-                enable_prefix_caching=False, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+                enable_prefix_caching=bool(prefix_cache), logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
                 disable_log_stats=True, tensor_parallel_size=tensor_parallel_size,
             )
             if device == "cuda":
@@ -200,7 +206,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         """Our queues, and the loop thread that alone calls into vLLM."""
         # _inflight: vllm_id -> [req, t_start wall, version (both stamped at submission), tokens, logprobs
         # so far (tracking)]
-        self._init_queues(initial_version, extra_stats=("gen/steps",))
+        self._init_queues(initial_version, extra_stats=("gen/steps", "gen/prompt_tokens", "gen/prefix_cached_tokens"))
         self._work_cv = threading.Condition(self._lock)
         self._stalled = False  # fault injection (stall): the loop parks for good
         self._to_submit: list[str] = []  # admitted vllm ids, not yet handed to vLLM (loop thread does it)
@@ -319,10 +325,14 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             self._to_submit.clear()
             for _, entry in batch:
                 entry[1], entry[2] = time.time(), self._version
-        for vllm_id, (req, *_) in batch:
+        for vllm_id, (req, _, version, *_) in batch:
             params = self._params.clone()
             params.max_tokens = req.max_new_tokens
-            self._llm.add_request(vllm_id, {"prompt_token_ids": list(req.prompt_ids)}, params)
+            # The weight version salts the prefix cache's block hashes: a request submitted after an
+            # update never reuses keys computed before it (vLLM's reset_prefix_cache refuses while
+            # any block is in use, and updates land while requests run).
+            self._llm.add_request(vllm_id, {"prompt_token_ids": list(req.prompt_ids), "cache_salt": f"v{version}"},
+                                  params)
 
     def _collect(self, outputs: list[Any]) -> None:
         t_end = time.time()
@@ -346,6 +356,8 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                 if not out.finished:
                     continue
                 self._remove_inflight_locked(out.request_id)
+                self._stats["gen/prompt_tokens"] += len(req.prompt_ids)
+                self._stats["gen/prefix_cached_tokens"] += int(getattr(out, "num_cached_tokens", 0) or 0)
                 if seq.finish_reason not in ("stop", "length"):
                     raise EngineError(f"request {req.request_id!r}: unexpected finish_reason {seq.finish_reason!r}")
                 self._done.append(self._completion(req, tuple(tokens), tuple(logprobs), seq.finish_reason,
@@ -374,7 +386,6 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         def install() -> None:  # runs on the loop thread, between two steps
             marks["start"] = time.perf_counter()
             self._llm.collective_rpc(method, kwargs=kwargs)
-            self._llm.reset_prefix_cache()
             with self._lock:
                 self._version = version
 
