@@ -123,7 +123,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                       "a multiple of 32 (vLLM CPU attention block size)")
         check_arg(dtype in ("float32", "bfloat16", "float16", "auto"), "dtype", dtype,
                   "one of float32, bfloat16, float16, auto")
-        check_arg(Path(shm_root).is_dir(), "shm_root", shm_root, "an existing directory (a model object is staged there as a checkpoint)")
+        check_arg(Path(shm_root).is_dir(), "shm_root", shm_root, "an existing directory (a model object is staged there)")
 
         self.instance = instance
         remove_stale_workdirs(Path(shm_root))  # of dead processes: an actor killed by ray.kill never shuts down
