@@ -38,9 +38,11 @@ class Run:
         self.before: dict = {}
 
     def setup(self) -> None:
+        from streamrl.memory import watch_private_memory
         from streamrl.metrics.logger import MetricsLogger
         from streamrl.models.tiny import load_tokenizer
 
+        watch_private_memory()  # the driver's private peak, as every actor's
         cfg, out = self.cfg, self.out
         ensure_policy(cfg, self.echo)
         from streamrl.controller.preflight import check_fits

@@ -66,8 +66,10 @@ class GenerationInstance:
             from transformers import PreTrainedTokenizerFast
 
             model, tokenizer = policy_path, PreTrainedTokenizerFast.from_pretrained(policy_path)
-            # progress and preemption (per-step outputs) only where the SGS may move requests
-            engine_overrides = {"track_progress": hold_back, **cfg.generation.vllm, **(engine_overrides or {})}
+            # per-step outputs only where they are used: progress and preemption (the SGS may move
+            # requests), per-token versions (partial rollout runs requests across weight updates)
+            track = hold_back or cfg.generation.partial_rollout
+            engine_overrides = {"track_progress": track, **cfg.generation.vllm, **(engine_overrides or {})}
         else:
             model, tokenizer = load_policy(policy_path)
             model = model.eval()

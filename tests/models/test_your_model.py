@@ -82,8 +82,8 @@ def test_own_checkpoint_own_columns_own_reward_by_path_in_stream_async(ray_sessi
     peaks = summary["peak_memory_mb"]  # every process's peak, by role
     assert {"trainer", "driver"} <= set(peaks) and any(k.startswith("gen-") for k in peaks), peaks
     assert all(mb > 50 for mb in peaks.values()) and any(line.startswith("peak memory: trainer") for line in lines)
-    private = summary["peak_private_mb"]  # sampled in the actors: below their resident peak, never above
-    assert set(private) == set(peaks) - {"driver"} and all(0 < private[k] <= peaks[k] for k in private), private
+    private = summary["peak_private_mb"]  # sampled in every process: at most its resident peak
+    assert set(private) == set(peaks) and all(0 < private[k] <= peaks[k] for k in private), private
     final = Path(summary["final_policy"])
     assert final == out / "policy" and any(str(final) in line for line in lines)
     model = AutoModelForCausalLM.from_pretrained(final)

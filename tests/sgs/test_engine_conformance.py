@@ -292,11 +292,10 @@ def test_each_token_keeps_the_version_that_sampled_it_through_updates_and_preemp
     joins them to its continuation's)."""
     import time
 
-    if backend == "vllm":
-        pytest.skip("the vLLM engine stamps versions per request (version_start / version_end), not per token")
     old_ref = load_model(checkpoint)
     sd1 = perturbed(old_ref.state_dict())
-    e = engine_factory(num_blocks=256, max_inflight=2)
+    # vLLM records per-token versions where it streams every step (track_progress, as under rebalancing)
+    e = engine_factory(num_blocks=256, max_inflight=2, **({"track_progress": True} if backend == "vllm" else {}))
     e.add_request(req("spanning", 600))
     e.add_request(req("moved", 600))
 

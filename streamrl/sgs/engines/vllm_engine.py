@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,7 +77,9 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
       old blocks age out of vLLM's LRU. ``gen/prefix_cached_tokens`` over ``gen/prompt_tokens``
       is the prefill saved.
     * ``track_progress=True`` (where the SGS may rebalance): every step's new tokens (``DELTA``)
-      are kept, for ``progress`` and as ``preempt``'s prefix. Off by default: it costs Python time.
+      are kept, for ``progress``, as ``preempt``'s prefix and with the version that sampled each
+      (``token_versions``: partial rollout across updates). Off by default: it costs Python time;
+      without it a completion carries ``version_start`` / ``version_end`` only.
     * Work dir ``shm_root/streamrl-vllm-<instance>-<pid>-*``: removed on ``shutdown``; a new
       engine also removes those of dead processes (a Ray actor killed with ``ray.kill`` never
       shuts down)."""
@@ -205,7 +208,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
     def _start_loop(self, initial_version: int) -> None:
         """Our queues, and the loop thread that alone calls into vLLM."""
         # _inflight: vllm_id -> [req, t_start wall, version (both stamped at submission), tokens, logprobs
-        # so far (tracking)]
+        # so far (tracking), the version that sampled each token (tracking)]
         self._init_queues(initial_version, extra_stats=("gen/steps", "gen/prompt_tokens", "gen/prefix_cached_tokens"))
         self._work_cv = threading.Condition(self._lock)
         self._stalled = False  # fault injection (stall): the loop parks for good
@@ -218,7 +221,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
     # ------------------------------------------------------------------ requests
 
     def _start_locked(self, vllm_id: str, req: GenRequest) -> None:
-        self._inflight[vllm_id] = [req, None, None, [], []]
+        self._inflight[vllm_id] = [req, None, None, [], [], []]
         self._to_submit.append(vllm_id)
         self._work_cv.notify_all()
 
@@ -264,10 +267,11 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             vllm_id = self._engine_id_of.get(request_id)
             if vllm_id is None or not running:  # unknown or finished; or in flight while only queued ones may go
                 return None
-            req, t_start, v_start, tokens, logprobs = self._stop_inflight_locked(vllm_id, "gen/requests_preempted")
+            req, t_start, v_start, tokens, logprobs, versions = self._stop_inflight_locked(vllm_id,
+                                                                                           "gen/requests_preempted")
             if not tokens:
                 return Partial(req)
-            return Partial(req, tuple(tokens), tuple(logprobs), v_start, t_start)
+            return Partial(req, tuple(tokens), tuple(logprobs), v_start, t_start, token_versions=tuple(versions))
 
     # ------------------------------------------------------------------ the loop
 
@@ -344,7 +348,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                 entry = self._inflight.get(out.request_id)
                 if entry is None:
                     continue  # cancelled or preempted while running: its abort raced with this step
-                req, t_start, v_start, tokens, logprobs = entry
+                req, t_start, v_start, tokens, logprobs, versions = entry
                 (seq,) = out.outputs
                 new = [int(t) for t in seq.token_ids]
                 if seq.logprobs is None or len(seq.logprobs) != len(new):
@@ -353,6 +357,8 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                     tokens, logprobs = [], []
                 tokens.extend(new)
                 logprobs.extend(float(d[t].logprob) for d, t in zip(seq.logprobs, new))
+                if self._track:  # updates install between steps, on this thread: this step's version sampled them
+                    versions.extend([self._version] * len(new))
                 if not out.finished:
                     continue
                 self._remove_inflight_locked(out.request_id)
@@ -360,8 +366,9 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
                 self._stats["gen/prefix_cached_tokens"] += int(getattr(out, "num_cached_tokens", 0) or 0)
                 if seq.finish_reason not in ("stop", "length"):
                     raise EngineError(f"request {req.request_id!r}: unexpected finish_reason {seq.finish_reason!r}")
-                self._done.append(self._completion(req, tuple(tokens), tuple(logprobs), seq.finish_reason,
-                                                   v_start, self._version, t_start, t_end))
+                c = self._completion(req, tuple(tokens), tuple(logprobs), seq.finish_reason, v_start, self._version,
+                                     t_start, t_end)
+                self._done.append(replace(c, token_versions=tuple(versions)) if self._track else c)
             self._admit_locked()
             if outputs:
                 self._done_cv.notify_all()
