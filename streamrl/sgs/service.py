@@ -99,7 +99,8 @@ class StreamGenerationService(FaultTolerance, Rebalancing, Trajectories):
         self._metrics: dict[str, float] = {}
         self.counters = {"sgs/duplicates": 0, "sgs/resubmitted": 0, "sgs/instances_added": 0,
                          "sgs/instances_removed": 0, "sgs/rebalanced": 0, "sgs/rebalanced_running": 0,
-                         "sgs/rebalance_rounds": 0, "sgs/faults": 0, "sgs/requeued": 0, "sgs/restarts": 0}
+                         "sgs/rebalance_rounds": 0, "sgs/faults": 0, "sgs/requeued": 0, "sgs/restarts": 0,
+                         "sgs/relay_fallbacks": 0}
 
     @property
     def instances(self) -> dict[str, ray.actor.ActorHandle]:
@@ -324,7 +325,16 @@ class StreamGenerationService(FaultTolerance, Rebalancing, Trajectories):
                 ref = refs[name]
                 if parents[name] in failed:
                     ref = self.pool[name].actor.update.remote(handle, version, False)
-                got = self._gather({name: ref}, f"weight update to version {version}")
+                try:
+                    got = self._gather({name: ref}, f"weight update to version {version}")
+                except TrainerFailed:
+                    if parents[name] is None:  # the trainer's own buffers are gone
+                        raise
+                    # The relay above it died after publishing: its copy went with it, not the
+                    # trainer's. Fetch from the trainer (its own children follow the same way).
+                    self.counters["sgs/relay_fallbacks"] += 1
+                    got = self._gather({name: self.pool[name].actor.update.remote(handle, version, False)},
+                                       f"weight update to version {version}")
                 if name in got:
                     out.append(got[name])
                 else:
@@ -523,7 +533,8 @@ class StreamGenerationService(FaultTolerance, Rebalancing, Trajectories):
         and the run's rebalancing and fault counters (cumulative)."""
         out = {**self._metrics, "sgs/instances": float(len(self.pool)),
                **{k: float(self.counters[k]) for k in ("sgs/rebalanced", "sgs/faults", "sgs/requeued",
-                                                       "sgs/restarts", "sgs/resubmitted", "sgs/duplicates")},
+                                                       "sgs/restarts", "sgs/resubmitted", "sgs/duplicates",
+                                                       "sgs/relay_fallbacks")},
                **(self.agent.metrics() if self.agent is not None else {})}
         self._metrics = {}
         return out

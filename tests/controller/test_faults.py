@@ -179,6 +179,30 @@ def test_weights_whose_trainer_died_are_reported_as_a_trainer_failure(ray_sessio
         sgs.shutdown()
 
 
+def test_children_of_a_relay_that_died_after_publishing_fetch_from_the_trainer(ray_session, tiny_policy_dir):
+    """A relay re-publishes its copy for the instances below it; killed after that, its copy is
+    gone with it. Its child then fetches the trainer's buffer (still alive) and installs the
+    version: the run goes on, and only the relay counts as lost."""
+    import ray
+
+    from streamrl.sgs.service import StreamGenerationService
+
+    sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.restart=false"))
+    try:
+        relay, child = sgs.add_instances(2)
+        handle = _handle(tiny_policy_dir, 1)
+        relay_ref = sgs.pool[relay].actor.update.remote(handle, 1, True)
+        relayed = ray.get(relay_ref)["handle"]  # the relay's own copy, owned by its process
+        os.kill(_pid(sgs, relay), signal.SIGKILL)
+        _wait_until_lost(relayed.payload)
+        refs = {relay: relay_ref, child: sgs.pool[child].actor.update.remote(relay_ref, 1, False)}
+        sgs._gather_tree(refs, {relay: None, child: relay}, handle, 1)
+        assert ray.get(sgs.pool[child].actor.version.remote()) == 1
+    finally:
+        sgs.shutdown()
+    assert sgs.counters["sgs/relay_fallbacks"] == 1
+
+
 @pytest.mark.parametrize("mode", ["stream-async", "stream-sync"])
 def test_pipeline_trains_every_sample_once_through_instance_kills(ray_session, tiny_policy_dir, mode):
     """The instance is killed while idle between iterations (met by the next submit or weight
