@@ -5,7 +5,8 @@ that has work but generates no token for that long is killed and removed (``_fai
 unfinished requests go back through dispatch (from their joined prefix if they had moved), and
 with ``generation.restart`` a replacement that installs the current weights first is started,
 within ``generation.max_restarts``. No instance left: ``GenerationFailed``. A weight buffer whose
-owner (the trainer) is gone: ``TrainerFailed``. Each fault is a record appended to ``fault_log``.
+owner (the trainer) is gone: ``TrainerFailed``; one whose owner was a relay instance: fetched from
+the trainer instead (``_gather_tree``). Each fault is a record appended to ``fault_log``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import ray
 
 from streamrl.errors import GenerationFailed, TrainerFailed
+from streamrl.weights.tree import levels
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,35 @@ class FaultTolerance:
             except ray.exceptions.ObjectLostError as exc:  # OwnerDiedError: the buffer's owner is gone
                 raise TrainerFailed(f"{what}: weights version {self.version} are lost, the trainer that "
                                     f"published them died ({type(exc).__name__})") from None
+        return out
+
+    def _gather_tree(self, refs: dict, parents: dict[str, str | None], handle, version: int) -> list[dict]:
+        """Each instance's update result, parents first; an instance whose relay failed (and was
+        failed over) fetches from the trainer instead, so one dead relay costs no other instance."""
+        failed: set[str] = set()
+        out = []
+        for level in levels(parents):
+            for name in level:
+                if name not in self.pool:
+                    failed.add(name)
+                    continue
+                ref = refs[name]
+                if parents[name] in failed:
+                    ref = self.pool[name].actor.update.remote(handle, version, False)
+                try:
+                    got = self._gather({name: ref}, f"weight update to version {version}")
+                except TrainerFailed:
+                    if parents[name] is None:  # the trainer's own buffers are gone
+                        raise
+                    # The relay above it died after publishing: its copy went with it, not the
+                    # trainer's. Fetch from the trainer (its own children follow the same way).
+                    self.counters["sgs/relay_fallbacks"] += 1
+                    got = self._gather({name: self.pool[name].actor.update.remote(handle, version, False)},
+                                       f"weight update to version {version}")
+                if name in got:
+                    out.append(got[name])
+                else:
+                    failed.add(name)
         return out
 
     def _new_fault(self, instance: str, reason: str, requeued: int) -> dict:

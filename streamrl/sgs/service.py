@@ -38,7 +38,7 @@ from streamrl.sgs.rebalancing import Rebalancing
 from streamrl.sgs.trajectories import Trajectories
 from streamrl.types import Completion, Event, GenRequest, Progress
 from streamrl.weights.engine import tree_calls
-from streamrl.weights.tree import Location, levels, plan_tree
+from streamrl.weights.tree import Location, plan_tree
 
 log = logging.getLogger(__name__)
 
@@ -311,35 +311,6 @@ class StreamGenerationService(FaultTolerance, Rebalancing, Trajectories):
         w = self.cfg.weights
         source = Location(handle.origin_node, handle.origin_site)
         return plan_tree(source, {n: inst.location for n, inst in self.pool.items()}, w.method, w.fanout)
-
-    def _gather_tree(self, refs: dict, parents: dict[str, str | None], handle, version: int) -> list[dict]:
-        """Each instance's update result, parents first; an instance whose relay failed (and was
-        failed over) fetches from the trainer instead, so one dead relay costs no other instance."""
-        failed: set[str] = set()
-        out = []
-        for level in levels(parents):
-            for name in level:
-                if name not in self.pool:
-                    failed.add(name)
-                    continue
-                ref = refs[name]
-                if parents[name] in failed:
-                    ref = self.pool[name].actor.update.remote(handle, version, False)
-                try:
-                    got = self._gather({name: ref}, f"weight update to version {version}")
-                except TrainerFailed:
-                    if parents[name] is None:  # the trainer's own buffers are gone
-                        raise
-                    # The relay above it died after publishing: its copy went with it, not the
-                    # trainer's. Fetch from the trainer (its own children follow the same way).
-                    self.counters["sgs/relay_fallbacks"] += 1
-                    got = self._gather({name: self.pool[name].actor.update.remote(handle, version, False)},
-                                       f"weight update to version {version}")
-                if name in got:
-                    out.append(got[name])
-                else:
-                    failed.add(name)
-        return out
 
     # ---------------------------------------------------------------------------------- ranker
     def attach_prompts(self, prompts: Sequence) -> None:
