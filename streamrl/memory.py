@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import functools
 import threading
+import time
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,13 +37,9 @@ def release_free_memory() -> bool:
 def peak_rss_mb() -> float:
     """This process's peak resident memory in MB (``VmHWM``; ``ru_maxrss`` where /proc is absent):
     what every run's summary reports per process."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    kb = _status_kb("VmHWM:")
+    if kb is not None:
+        return kb / 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -74,10 +71,9 @@ def watch_private_memory(interval_s: float = 0.02) -> None:
 
     def watch() -> None:
         global _private_peak_kb
-        event = threading.Event()
         while True:
             _private_peak_kb = max(_private_peak_kb, _status_kb("RssAnon:") or 0)
-            event.wait(interval_s)
+            time.sleep(interval_s)
 
     _watcher = threading.Thread(target=watch, name="streamrl-memory-watch", daemon=True)
     _watcher.start()

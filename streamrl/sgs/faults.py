@@ -46,6 +46,11 @@ class FaultTolerance:
     def _gather_tree(self, refs: dict, parents: dict[str, str | None], handle, version: int) -> list[dict]:
         """Each instance's update result, parents first; an instance whose relay failed (and was
         failed over) fetches from the trainer instead, so one dead relay costs no other instance."""
+        what = f"weight update to version {version}"
+
+        def from_trainer(name: str) -> dict:
+            return {name: self.pool[name].actor.update.remote(handle, version, False)}
+
         failed: set[str] = set()
         out = []
         for level in levels(parents):
@@ -53,19 +58,16 @@ class FaultTolerance:
                 if name not in self.pool:
                     failed.add(name)
                     continue
-                ref = refs[name]
-                if parents[name] in failed:
-                    ref = self.pool[name].actor.update.remote(handle, version, False)
+                relay_failed = parents[name] in failed
                 try:
-                    got = self._gather({name: ref}, f"weight update to version {version}")
+                    got = self._gather(from_trainer(name) if relay_failed else {name: refs[name]}, what)
                 except TrainerFailed:
-                    if parents[name] is None:  # the trainer's own buffers are gone
+                    if parents[name] is None or relay_failed:  # the trainer's own buffers are gone
                         raise
                     # The relay above it died after publishing: its copy went with it, not the
                     # trainer's. Fetch from the trainer (its own children follow the same way).
                     self.counters["sgs/relay_fallbacks"] += 1
-                    got = self._gather({name: self.pool[name].actor.update.remote(handle, version, False)},
-                                       f"weight update to version {version}")
+                    got = self._gather(from_trainer(name), what)
                 if name in got:
                     out.append(got[name])
                 else:
