@@ -28,8 +28,12 @@ install-smollm2: install
 policy: install
 	$(VENV)/bin/streamrl make-policy configs/tiny.yaml
 
+# Two pytest workers (pytest-xdist): much of a Ray test is waiting on its actors, and the other
+# worker's test fills that time. Tests of the namespace cluster share one worker (xdist_group).
+TEST_WORKERS ?= 2
+
 test: install
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
