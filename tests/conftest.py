@@ -17,6 +17,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SLOW_FIXTURES = ("ray_session", "tiny_policy_dir", "two_sites")
 
+# Modules whose tests run on one pytest-xdist worker (`make test` runs two): the namespace cluster
+# uses fixed addresses (10.77.0.0/16), so two workers must not bring one up at the same time.
+ONE_WORKER_MODULES = ("tests/lab/test_cluster.py", "tests/lab/test_multisite.py")
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Tests go one by one to whichever worker is free, except ONE_WORKER_MODULES, which go
+    together as one unit (xdist's own ``--dist loadgroup`` marks nothing under pytest 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerForTheCluster(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "netns" if nodeid.split("::")[0] in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerForTheCluster(config, log)
+
 
 def pytest_collection_modifyitems(config, items):
     unmarked = [item.nodeid for item in items if set(SLOW_FIXTURES) & set(getattr(item, "fixturenames", ()))

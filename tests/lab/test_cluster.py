@@ -11,9 +11,6 @@ import pytest
 
 from streamrl.lab import cluster as C
 
-# one cluster at a time on this machine: its namespaces use fixed addresses (10.77.0.0/16)
-pytestmark = pytest.mark.xdist_group("netns")
-
 
 def test_sites_and_links_parse_and_bad_specs_name_the_bad_part():
     sites = C.parse_sites("A:1,B:2:H20")

@@ -16,9 +16,6 @@ from streamrl.config import ConfigError, load_config, plan_overrides
 from streamrl.models.shipping import materialize_policy, pack_dir, package_policy, unpack_dir
 from streamrl.placement import check_cluster, plan_file_for_sites, plan_placement
 
-# one cluster at a time on this machine: its namespaces use fixed addresses (10.77.0.0/16)
-pytestmark = pytest.mark.xdist_group("netns")
-
 
 def test_a_plan_pins_the_trainer_and_each_instance_by_label():
     cfg = load_config(None, ["mode=stream-async", "placement.trainer_node=A0", "placement.gen_nodes=[B0,B1]",
