@@ -9,9 +9,10 @@ Invariants: every rank runs the same number of micro-steps and takes the same de
 of the same item list, and one step's gradient equals the single-process token-mean gradient
 (``FSDPRank.train_step``); checkpoints are the single-process trainer's files, so they cross
 backends and world sizes; the weights reach the instances through the Ray object store, not
-NCCL. With ``trainer.lora`` the adapters are sharded with their layers and publish and checkpoint
-as the single trainer's do. Limits: GRPO without a reference model (``trainer.kl_coef == 0``) or
-critic.
+NCCL. Each rank builds the model on the meta device and reads only its shards
+(``trainer.meta_init``); with ``trainer.lora`` it loads the whole model first (the adapters are
+seeded as the single trainer's) and they are sharded with their layers. Limits: GRPO without a
+reference model (``trainer.kl_coef == 0``) or critic.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from streamrl.config import Config
 from streamrl.models import lora
 from streamrl.models.logprobs import token_logprobs
-from streamrl.trainer import losses
+from streamrl.trainer import losses, meta_init
 from streamrl.trainer.schedule import lr_for_step, set_lr
 from streamrl.trainer.trainer import (Prepared, _pad, micro_batches, policy_objective, prepare_samples,
                                       set_group_advantages, skipped_step, step_denominators)
@@ -117,22 +118,37 @@ class FSDPRank:
         cfg = self.cfg
         self.tcfg, self.temperature = cfg.trainer, cfg.generation.temperature
         torch.manual_seed(cfg.run.seed)
+        from streamrl.models.hf import resolve_policy_path
         from streamrl.models.shipping import materialize_policy
+        from streamrl.models.tiny import load_tokenizer
 
-        self.model, self.tokenizer = load_policy(materialize_policy(self.policy_path or cfg.policy.path))
-        self.model.train()
-        self.pad_id = self.tokenizer.pad_token_id
-        if torch.cuda.is_available() and backend == "nccl":
-            self.model.to(torch.device("cuda", torch.cuda.current_device()))
+        policy_dir = resolve_policy_path(materialize_policy(self.policy_path or cfg.policy.path))
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.lora = self.tcfg.lora.rank > 0
-        if self.lora:  # adapters on every rank (seeded alike), sharded with the layer they belong to
-            self.model = lora.wrap(self.model, self.tcfg.lora)
-        shard_policy(self.model.get_base_model() if self.lora else self.model, self.param_dtype)
+        self.tokenizer = load_tokenizer(policy_dir)
+        self.pad_id = self.tokenizer.pad_token_id
+        if meta_init.supported(policy_dir, self.lora):  # no rank holds the whole model
+            self.model, self.load_info = meta_init.build_sharded_policy(
+                policy_dir, lambda m: shard_policy(m, self.param_dtype), device, self.tcfg.activation_checkpointing)
+        else:  # whole model, then shards: LoRA's adapters are seeded as the single trainer's are
+            self.model = load_policy(policy_dir)[0].to(device)
+            self.load_info = meta_init.LoadInfo(False, *[sum(p.numel() * 4 for p in self.model.parameters())] * 2)
+            if self.tcfg.activation_checkpointing:
+                meta_init.enable_activation_checkpointing(self.model)
+            if self.lora:  # adapters on every rank (seeded alike), sharded with the layer they belong to
+                self.model = lora.wrap(self.model, self.tcfg.lora)
+            shard_policy(self.model.get_base_model() if self.lora else self.model, self.param_dtype)
+        self.model.train()
         # fully_shard swaps in DTensor parameters: the optimizer must be built on those.
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.tcfg.lr,
                                      weight_decay=self.tcfg.weight_decay)
         self._device = next(self.model.parameters()).device
         return backend
+
+    def loaded(self) -> dict:
+        """How this rank got its weights (``meta_init.LoadInfo``) and whether blocks recompute
+        their activations in backward."""
+        return {**vars(self.load_info), "activation_checkpointing": any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules())}
 
     def train_step(self, items: list[Prepared], step: int = 0) -> dict[str, float]:
         """This rank's share of one optimizer step over all of ``items``; every rank calls it

@@ -29,6 +29,7 @@ from streamrl.models import lora
 from streamrl.models.tiny import load_policy
 from streamrl.models.logprobs import model_logprobs
 from streamrl.trainer import losses
+from streamrl.trainer.meta_init import enable_activation_checkpointing
 from streamrl.trainer.schedule import lr_for_step, set_lr
 from streamrl.types import Sample
 
@@ -255,10 +256,7 @@ class Trainer:
         self.model, self.tokenizer = load_policy(policy_path or cfg.policy.path)
         self.model.train()
         if self.tcfg.activation_checkpointing:  # recompute each block's activations in backward
-            if hasattr(self.model, "activation_checkpointing_enable"):
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:  # the older name
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(self.model)
         self.pad_id = self.tokenizer.pad_token_id
         self.temperature = cfg.generation.temperature
         self.critic = self.critic_old = self.critic_opt = None

@@ -58,6 +58,8 @@ def test_shard_items_balances_tokens_and_covers_every_item_once():
 
 @pytest.mark.slow
 def test_fsdp2_ranks_as_ray_workers_in_a_placement_group_step_like_one_process(ray_session, tiny_policy_dir):
+    """The ranks build the model on the meta device and read only their shards (no rank holds
+    the whole model), recompute activations in backward, and still step like one process."""
     from streamrl.trainer.fsdp import FSDPTrainerGroup
 
     cfg = _cfg(tiny_policy_dir)
@@ -66,9 +68,13 @@ def test_fsdp2_ranks_as_ray_workers_in_a_placement_group_step_like_one_process(r
     items = _items(single, 5)  # odd count, uneven lengths: the ranks get different micro-batch counts
     before = {k: v.clone() for k, v in single.model.state_dict().items()}
     ref_metrics = single.train_step(items)
-    group = FSDPTrainerGroup(cfg, tiny_policy_dir, bundles=[{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
+    ckpt = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"activation_checkpointing": True})})
+    group = FSDPTrainerGroup(ckpt, tiny_policy_dir, bundles=[{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
     try:
         assert group.world_size == 2 and group.backend == "gloo"
+        for info in group._all("loaded"):
+            assert info["meta_init"] and info["activation_checkpointing"], info
+            assert 0 < info["largest_full_tensor_bytes"] < info["model_bytes"] / 4, info  # one tensor at a time
         metrics = group.train_step(items)
         assert sum(metrics["train/rank_samples"]) == 5 and min(metrics["train/rank_samples"]) >= 1
         assert metrics["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], rel=1e-4)
