@@ -7,8 +7,8 @@ rank, ``FSDPTrainerGroup`` drives all of them for the trainer actor (``trainer.b
 
 Invariants: every rank runs the same number of micro-steps and takes the same deterministic share
 of the same item list, and one step's gradient equals the single-process token-mean gradient
-(``FSDPRank.train_step``); checkpoints are the single-process trainer's files, so they cross
-backends and world sizes; the weights reach the instances through the Ray object store, not
+(``FSDPRank.train_step``); each rank checkpoints its own shards (``sharded_ckpt``), which resume
+at any world size and in the single-process trainer, which also reads them; the weights reach the instances through the Ray object store, not
 NCCL. Each rank builds the model on the meta device and reads only its shards
 (``trainer.meta_init``); with ``trainer.lora`` it loads the whole model first (the adapters are
 seeded as the single trainer's) and they are sharded with their layers. Limits: GRPO without a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -239,48 +240,67 @@ class FSDPRank:
         return torch.cat([p.full_tensor().detach().flatten().cpu() for p in self.model.parameters()]).numpy()
 
     def save_checkpoint(self, path: str, extra: dict, version: int, steps: int) -> None:
-        """``Trainer.save_checkpoint``'s files in its format, from full state dicts gathered on
-        rank 0, which alone writes. The optimizer state is keyed by parameter index as
-        ``torch.optim`` keys it, so a single-process trainer can resume from it and back, at any
-        world size. Every rank must see ``path`` when loading (one node, or shared storage)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        """Full fine-tuning: every rank writes its shards of the parameters and AdamW moments
+        (``sharded_ckpt``; nothing gathered), and rank 0 writes ``trainer.pt`` naming that
+        directory, after every shard is on disk, then removes the directory it replaces. LoRA: the
+        adapters (small) gathered on rank 0, in the single-process trainer's format. Either way
+        rank 0 exports ``policy/`` (the weights alone, gathered) for the run's final export.
+        Every rank must see ``path`` (one node, or shared storage)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-        model_sd, opt_sd = get_state_dict(self.model, self.opt,
-                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            path = Path(path)
-            path.mkdir(parents=True, exist_ok=True)
-            if self.lora:  # the adapters alone (the base weights are policy.path's)
+        path = Path(path)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        state = {"critic": None, "critic_opt": None, "version": version, "steps": steps, "extra": extra, "rng": rng}
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.lora:
+            model_sd, opt_sd = get_state_dict(self.model, self.opt, options=full)  # {} on ranks > 0
+            if self.rank == 0:
                 model_sd = {k: v for k, v in model_sd.items() if lora.adapter_key(k) is not None}
-            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-            index = {n: i for i, n in enumerate(names)}
-            opt_sd = {"state": {index[n]: v for n, v in opt_sd["state"].items()},
-                      "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in opt_sd["param_groups"]]}
-            state = {"model": model_sd, "opt": opt_sd, "critic": None, "critic_opt": None, "version": version,
-                     "steps": steps, "extra": extra,
-                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+                names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+                index = {n: i for i, n in enumerate(names)}
+                state["opt"] = {"state": {index[n]: v for n, v in opt_sd["state"].items()},
+                                "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                                 for g in opt_sd["param_groups"]]}
+                state["model"] = model_sd
+        else:
+            shards = f"sharded-v{version}-s{steps}"
+            from streamrl.trainer.sharded_ckpt import save_sharded
+
+            save_sharded(self.model, self.opt, path / shards)  # returns when every rank's shards are written
+            state.update(model=None, opt=None, sharded=shards)
+            model_sd = get_model_state_dict(self.model, options=full)
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
             tmp = path / "trainer.pt.tmp"
             torch.save(state, tmp)
             tmp.replace(path / "trainer.pt")
+            for old in path.glob("sharded-*"):  # directories trainer.pt no longer names
+                if old.name != state.get("sharded"):
+                    shutil.rmtree(old, ignore_errors=True)
             self.model.save_pretrained(path / "policy", state_dict=model_sd)
             self.tokenizer.save_pretrained(path / "policy")
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> tuple[dict, int, int]:
-        """Read the full state dicts of ``save_checkpoint`` (or of a single-process trainer) and
-        keep this rank's shards; the RNG state is rank 0's at the save. Returns
-        ``(extra, version, steps)``."""
+        """Resume from ``save_checkpoint``'s files (any world size) or a single-process trainer's
+        (every rank reads the full state dicts and keeps its shards); the RNG state is rank 0's
+        at the save. Returns ``(extra, version, steps)``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
         if state.get("critic") is not None:
             raise ValueError(f"{path}: a PPO checkpoint (it has a critic); the FSDP2 trainer trains GRPO only")
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        opt_sd = {"state": {names[i]: v for i, v in state["opt"]["state"].items()},
-                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["opt"]["param_groups"]]}
-        # strict=False with LoRA: the checkpoint holds the adapters, the base weights are loaded already
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=opt_sd,
-                       options=StateDictOptions(full_state_dict=True, strict=not self.lora))
+        if state.get("sharded"):
+            from streamrl.trainer.sharded_ckpt import load_sharded
+
+            load_sharded(self.model, self.opt, Path(path) / state["sharded"])
+        else:
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            opt_sd = {"state": {names[i]: v for i, v in state["opt"]["state"].items()},
+                      "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["opt"]["param_groups"]]}
+            # strict=False with LoRA: the checkpoint holds the adapters, the base weights are loaded already
+            set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=opt_sd,
+                           options=StateDictOptions(full_state_dict=True, strict=not self.lora))
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -302,9 +322,9 @@ class FSDPTrainerGroup:
                                                                                   rank 0 answers
 
     ``publish``: every rank gathers the full state dict; rank 0 flattens it and ``ray.put``s ONE
-    buffer (``streamrl.weights``) and returns the handle. ``save`` / ``load``: the full model and
-    optimizer state gathered on rank 0, which writes the single-process trainer's files; every
-    rank reads them and keeps its shards (checkpoints cross backends and world sizes). The item
+    buffer (``streamrl.weights``) and returns the handle. ``save`` / ``load``: each rank writes and
+    reads its own shards (``FSDPRank.save_checkpoint``; checkpoints cross backends and world
+    sizes). The item
     list goes to the ranks once per step (one ``ray.put``).
 
     It holds no model: GRPO without a reference or critic prepares a sample without a forward

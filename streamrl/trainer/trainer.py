@@ -470,11 +470,16 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> dict:
         state = torch.load(Path(path) / "trainer.pt", weights_only=False)
-        if self.lora:
-            lora.load_trainable_state(self.model, state["model"])
+        if state.get("sharded"):  # an FSDP2 run's: each rank's shards, read here without a process group
+            from streamrl.trainer.sharded_ckpt import load_sharded
+
+            load_sharded(self.model, self.opt, Path(path) / state["sharded"])
         else:
-            self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
+            if self.lora:
+                lora.load_trainable_state(self.model, state["model"])
+            else:
+                self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["opt"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
             self.critic_opt.load_state_dict(state["critic_opt"])
