@@ -1,4 +1,4 @@
-"""Shared fixtures: one Ray instance per session, one tiny policy checkpoint per session.
+"""Shared fixtures: one Ray instance and one tiny policy checkpoint per pytest session (per worker).
 
 Both are slow to build (Ray starts processes; the policy is SFT-trained), so a test that uses
 either must carry ``@pytest.mark.slow`` (``make test-fast`` runs ``-m "not slow"``: pure logic

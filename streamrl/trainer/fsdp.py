@@ -8,8 +8,8 @@ rank, ``FSDPTrainerGroup`` drives all of them for the trainer actor (``trainer.b
 Invariants: every rank runs the same number of micro-steps and takes the same deterministic share
 of the same item list, and one step's gradient equals the single-process token-mean gradient
 (``FSDPRank.train_step``); each rank checkpoints its own shards (``sharded_ckpt``), which resume
-at any world size and in the single-process trainer, which also reads them; the weights reach the instances through the Ray object store, not
-NCCL. Each rank builds the model on the meta device and reads only its shards
+at any world size and in the single-process trainer; the weights reach the instances through the
+Ray object store, not NCCL. Each rank builds the model on the meta device and reads only its shards
 (``trainer.meta_init``); with ``trainer.lora`` it loads the whole model first (the adapters are
 seeded as the single trainer's) and they are sharded with their layers. Limits: GRPO without a
 reference model (``trainer.kl_coef == 0``) or critic.
@@ -133,7 +133,8 @@ class FSDPRank:
                 policy_dir, lambda m: shard_policy(m, self.param_dtype), device, self.tcfg.activation_checkpointing)
         else:  # whole model, then shards: LoRA's adapters are seeded as the single trainer's are
             self.model = load_policy(policy_dir)[0].to(device)
-            self.load_info = meta_init.LoadInfo(False, *[sum(p.numel() * 4 for p in self.model.parameters())] * 2)
+            model_bytes = sum(p.numel() * 4 for p in self.model.parameters())
+            self.load_info = meta_init.LoadInfo(False, largest_full_tensor_bytes=model_bytes, model_bytes=model_bytes)
             if self.tcfg.activation_checkpointing:
                 meta_init.enable_activation_checkpointing(self.model)
             if self.lora:  # adapters on every rank (seeded alike), sharded with the layer they belong to

@@ -85,14 +85,15 @@ def build_sharded_policy(policy_dir: str | Path, shard, device: torch.device,
     shard(model)
     model.to_empty(device=device)
     info = LoadInfo(meta_init=True, model_bytes=sum(p.numel() * 4 for p in model.parameters()))
-    handles: dict[Path, object] = {}
+    handles: dict[Path, object] = {}  # one open (memory-mapped) reader per file
     try:
         with torch.no_grad():
             for name, param in model.named_parameters():  # tied weights appear once
                 if name not in files:
                     raise KeyError(f"{policy_dir}: parameter {name} is in no safetensors file of the checkpoint")
-                f = handles.get(files[name]) or handles.setdefault(files[name], safe_open(str(files[name]), framework="pt"))
-                full = f.get_tensor(name).to(torch.float32)
+                if files[name] not in handles:
+                    handles[files[name]] = safe_open(str(files[name]), framework="pt")
+                full = handles[files[name]].get_tensor(name).to(torch.float32)
                 info.largest_full_tensor_bytes = max(info.largest_full_tensor_bytes, full.numel() * full.element_size())
                 if isinstance(param, DTensor):  # keep this rank's chunk (FSDP2 shards dim 0 as torch.chunk does)
                     local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
