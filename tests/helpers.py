@@ -107,3 +107,32 @@ def make_qwen2_bpe_checkpoint(path, corpus: list[str], hidden_size: int = 64, vo
     model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
     model.save_pretrained(path)
     return im_end, eot
+
+
+def generate_stalling_the_busiest(sgs, requests) -> tuple[list[str], str, list[str]]:
+    """Generate ``requests``; after the first completion, the engine of the instance with the most
+    unfinished requests stops stepping while its actor keeps answering (its polls return empty).
+    Returns (request ids as they came back, the stalled instance, the instances alive at the end);
+    the SGS is shut down."""
+    import ray
+
+    seen, stalled = [], []
+    try:
+        for c in sgs.generate(requests):
+            seen.append(c.request_id)
+            if not stalled:
+                left = sgs.ledger.counts(sgs.instances)
+                stalled.append(max(left, key=left.get))
+                ray.get(sgs.instances[stalled[0]].inject_fault.remote("hang"))
+        alive = list(sgs.instances)
+    finally:
+        sgs.shutdown()
+    return seen, stalled[0], alive
+
+
+def assert_the_stalled_instance_was_replaced(sgs, requests, seen, stalled, alive) -> None:
+    """Every request came back once; exactly one fault, the stalled instance's, found by its
+    heartbeat; it was replaced (as many instances alive as before, without it)."""
+    assert sorted(seen) == sorted(r.request_id for r in requests)
+    assert sgs.counters["sgs/faults"] == 1 and "generated no token" in sgs.faults[0]["reason"], sgs.faults
+    assert sgs.faults[0]["instance"] == stalled and stalled not in alive and len(alive) == 2

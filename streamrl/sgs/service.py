@@ -43,7 +43,7 @@ from streamrl.weights.tree import Location, plan_tree
 log = logging.getLogger(__name__)
 
 NEEDS_LENGTHS = ("skewness-aware", "skewness-search", "least-loaded")
-POLL_S = 0.5  # a healthy instance's poll returns within this; one silent for the heartbeat is hung
+POLL_S = 0.5  # a healthy instance's poll returns within this; one silent a heartbeat longer is hung
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Instance:
     actor: ray.actor.ActorHandle
     location: Location  # its node and site (the weight tree's input)
     poll: ray.ObjectRef | None = None  # the outstanding poll, if any
-    armed_at: float = 0.0  # perf_counter when ``poll`` was sent (heartbeat)
+    poll_due: float = 0.0  # perf_counter by which a healthy instance's ``poll`` returns (it blocks up to then)
     progress: Progress | None = None  # its latest progress (rebalancing reads it); None = stale
     live: tuple[int, float] | None = None  # (liveness counter, when it last changed) while it has work
     retiring: bool = False  # finishing its last requests: given no new work
@@ -387,9 +387,9 @@ class StreamGenerationService(FaultTolerance, Rebalancing, Trajectories):
         want_progress = self.rebalance and has_free_slots(counts, self.cfg.generation.max_requests_per_batch)
         for name, inst in self.pool.items():
             if counts.get(name) and inst.poll is None:
-                inst.poll = (inst.actor.poll_with_progress.remote(min(POLL_S, self.rebalance_interval_s))
-                             if want_progress else inst.actor.poll.remote(POLL_S))
-                inst.armed_at = time.perf_counter()
+                wait = min(POLL_S, self.rebalance_interval_s) if want_progress else POLL_S
+                inst.poll = inst.actor.poll_with_progress.remote(wait) if want_progress else inst.actor.poll.remote(wait)
+                inst.poll_due = time.perf_counter() + wait
 
     def _poll(self, timeout: float) -> list[Completion]:
         waiting_env = self.agent is not None and self.agent.pending()
@@ -404,8 +404,8 @@ class StreamGenerationService(FaultTolerance, Rebalancing, Trajectories):
             ready += more
         now = time.perf_counter()
         ready_set = set(ready)
-        for ref, name in armed.items():  # a poll of POLL_S silent for the heartbeat timeout: hung
-            if ref not in ready_set and name in self.pool and now - self.pool[name].armed_at > self.heartbeat_s:
+        for ref, name in armed.items():  # silent for the heartbeat timeout after its own wait ended: hung
+            if ref not in ready_set and name in self.pool and now - self.pool[name].poll_due > self.heartbeat_s:
                 self._fail(name, f"answered no poll within generation.heartbeat_timeout_s={self.heartbeat_s:g}s")
         if now - self._live_checked >= self.heartbeat_s / 4:
             self._check_progress(now)

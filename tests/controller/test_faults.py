@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.config import load_config
 from streamrl.errors import GenerationFailed, TrainerFailed
-from tests.helpers import kill_an_instance_at
+from tests.helpers import assert_the_stalled_instance_was_replaced, generate_stalling_the_busiest, kill_an_instance_at
 
 pytestmark = pytest.mark.slow  # Ray instances with engines
 
@@ -355,26 +355,13 @@ def test_a_run_whose_trainer_is_killed_stops_naming_the_trainer(ray_session, tin
 
 
 def test_an_engine_that_stops_stepping_while_its_actor_answers_is_replaced(ray_session, tiny_policy_dir):
-    import ray
-
     from streamrl.sgs.service import StreamGenerationService
 
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.heartbeat_timeout_s=3"))
     sgs.add_instances(2)
     requests = _requests(tiny_policy_dir, 12)
-    seen, stalled = [], []
-    try:
-        for c in sgs.generate(requests):
-            seen.append(c.request_id)
-            if not stalled:
-                stalled.append(_busiest(sgs))
-                ray.get(sgs.instances[stalled[0]].inject_fault.remote("hang"))  # its polls still return, empty
-        alive = list(sgs.instances)
-    finally:
-        sgs.shutdown()
-    assert sorted(seen) == sorted(r.request_id for r in requests)
-    assert sgs.counters["sgs/faults"] == 1 and "generated no token" in sgs.faults[0]["reason"]
-    assert sgs.faults[0]["instance"] == stalled[0] and stalled[0] not in alive and len(alive) == 2
+    seen, stalled, alive = generate_stalling_the_busiest(sgs, requests)
+    assert_the_stalled_instance_was_replaced(sgs, requests, seen, stalled, alive)
 
 
 def test_an_instance_lost_after_the_last_iteration_costs_nothing(ray_session, tiny_policy_dir, tmp_path):

