@@ -21,32 +21,40 @@ def rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
-
 def run(rank, world, out, port):
-    torch.set_num_threads(1)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     from streamrl.trainer.fsdp import init_distributed, shard_policy
     from streamrl.trainer.meta_init import build_sharded_policy
-    from streamrl.trainer.sharded_ckpt import save_sharded, load_sharded
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from streamrl.trainer.sharded_ckpt import load_sharded, save_sharded
+
+    torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "gloo")
     t = time.time()
     model, info = build_sharded_policy(POLICY, lambda m: shard_policy(m), torch.device("cpu"))
     t_build = time.time() - t
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, 1000, (1, 16))
-    model(input_ids=ids).logits.float().mean().backward(); opt.step()
+    model(input_ids=ids).logits.float().mean().backward()
+    opt.step()
     r0 = rss_mb()
-    dist.barrier(); t = time.time()
+    dist.barrier()
+    t = time.time()
     save_sharded(model, opt, out / "sharded")
-    dist.barrier(); t_shard = time.time() - t
+    dist.barrier()
+    t_shard = time.time() - t
     r1 = rss_mb()
     t = time.time()
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"model": msd, "opt": osd}, out / "full.pt")
-    dist.barrier(); t_full = time.time() - t
+    dist.barrier()
+    t_full = time.time() - t
     r2 = rss_mb()
-    t = time.time(); load_sharded(model, opt, out / "sharded"); dist.barrier(); t_load = time.time() - t
+    t = time.time()
+    load_sharded(model, opt, out / "sharded")
+    dist.barrier()
+    t_load = time.time() - t
     files = sorted((out / "sharded").glob("*.distcp"))
     if rank == 0:
         print(f"meta build {t_build:.1f}s largest full tensor {info.largest_full_tensor_bytes/1e6:.0f} MB of {info.model_bytes/1e6:.0f} MB")

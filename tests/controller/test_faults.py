@@ -360,7 +360,10 @@ def test_an_engine_that_stops_stepping_while_its_actor_answers_is_replaced(ray_s
     sgs = StreamGenerationService(_cfg(tiny_policy_dir, "generation.heartbeat_timeout_s=3"))
     sgs.add_instances(2)
     requests = _requests(tiny_policy_dir, 12)
-    seen, stalled, alive = generate_stalling_the_busiest(sgs, requests)
+    try:
+        seen, stalled, alive = generate_stalling_the_busiest(sgs, requests)
+    finally:
+        sgs.shutdown()
     assert_the_stalled_instance_was_replaced(sgs, requests, seen, stalled, alive)
 
 

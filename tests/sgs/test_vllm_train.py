@@ -164,8 +164,7 @@ def test_vllm_requests_longer_than_the_heartbeat_finish_and_a_stalled_engine_is_
         # two waves of a batch of 4 per instance: the stall lands on the busiest one's second wave
         short = [replace(r, max_new_tokens=200) for r in
                  builder.build(SyntheticTask(num_train=16, num_eval=1, seed=4).train_prompts(), 1, tag="short")]
-    except BaseException:
+        seen, stalled, alive = generate_stalling_the_busiest(sgs, short)
+    finally:
         sgs.shutdown()
-        raise
-    seen, stalled, alive = generate_stalling_the_busiest(sgs, short)  # shuts the SGS down
     assert_the_stalled_instance_was_replaced(sgs, short, seen, stalled, alive)

@@ -211,7 +211,7 @@ class VLLMEngine(QueueBookkeeping, GenerationEngine):
         kernels on the first decode step (1.6 s here, 4 ms per step after). Paid within the start,
         a fresh instance's first real step is not taken for a hang by a short heartbeat."""
         params = self._params.clone()
-        params.max_tokens, params.stop_token_ids = 2, []
+        params.max_tokens, params.stop_token_ids = 2, []  # no EOS: the second token is a decode step
         self._llm.add_request("streamrl-warm-up", {"prompt_token_ids": [0], "cache_salt": "warm-up"}, params)
         while self._llm.has_unfinished_requests():
             self._llm.step()
